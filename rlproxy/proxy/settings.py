@@ -50,3 +50,14 @@ class Settings(BaseSettings, TrainerConfig):
 def sqlite_url(db: str) -> str:
     """Accept a bare SQLite path (`./rlproxy.db`) where a URL is expected."""
     return db if "://" in db else f"sqlite+aiosqlite:///{db}"
+
+
+def settings_markdown() -> str:
+    """The README's configuration table, generated from `Settings` (a test keeps the README in sync)."""
+    rows = ["| setting | environment variable | default | what it does |", "|---|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        default = field.default if field.default_factory is None else field.default_factory()
+        default_text = ", ".join(default) if isinstance(default, list) else default
+        description = (field.description or "").replace("|", "\\|")
+        rows.append(f"| `{name}` | `RLPROXY_{name.upper()}` | `{default_text}` | {description} |")
+    return "\n".join(rows)

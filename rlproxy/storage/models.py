@@ -23,7 +23,8 @@ def utcnow() -> datetime:
 class Base(DeclarativeBase):
     """Declarative base of every rlproxy table."""
 
-    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+    # none_as_null: a missing value is SQL NULL (`WHERE error IS NULL` style queries work), not 'null'.
+    type_annotation_map = {dict[str, Any]: JSON(none_as_null=True), list[Any]: JSON(none_as_null=True)}
 
 
 class RunStatus(enum.StrEnum):
@@ -55,7 +56,10 @@ class Run(Base):
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), comment="when rewarded")
     trained_step: Mapped[int | None] = mapped_column(Integer, comment="training_steps.step that used it")
 
-    __table_args__ = (Index("ix_runs_status_group", "status", "group_id"),)
+    __table_args__ = (
+        Index("ix_runs_status_group", "status", "group_id"),
+        Index("ix_runs_created_at", "created_at", "id"),  # newest-first listing with a stable cursor
+    )
 
 
 class Completion(Base):

@@ -22,9 +22,15 @@ class TrainerConfig(BaseModel):
         "group", description="divide advantages by the group's reward std (group) or not (none)"
     )
     epsilon: float = Field(0.2, ge=0, description="lower clip range of the importance ratio")
-    epsilon_high: float | None = Field(None, ge=0, description="upper clip range (dapo clip-higher); None = epsilon")
-    beta: float = Field(0.0, ge=0, description="KL penalty weight against the base model; 0 = no KL, no ref pass")
-    max_seq_len: int = Field(2048, ge=16, description="tokens per sample; longer samples are truncated and counted")
+    epsilon_high: float | None = Field(
+        None, ge=0, description="upper clip range (dapo clip-higher); None = epsilon"
+    )
+    beta: float = Field(
+        0.0, ge=0, description="KL penalty weight against the base model; 0 = no KL, no ref pass"
+    )
+    max_seq_len: int = Field(
+        2048, ge=16, description="tokens per sample; longer samples are truncated and counted"
+    )
     # LoRA and optimizer
     lora_r: int = Field(8, ge=1, description="LoRA rank")
     lora_alpha: int = Field(16, ge=1, description="LoRA alpha (scale = alpha / r)")
@@ -40,7 +46,13 @@ class TrainerConfig(BaseModel):
     seed: int = Field(0, description="torch seed of the trainer")
     # checkpoints and publishing
     checkpoint_dir: str = Field("checkpoints", description="folder holding {policy}/step-NNNN/ checkpoints")
-    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk (and adapters served)")
-    unload_grace: float = Field(30.0, ge=0, description="seconds an old adapter stays loaded after a newer one")
+    keep_checkpoints: int = Field(
+        3, ge=1, description="newest checkpoints kept on disk (and adapters served)"
+    )
+    unload_grace: float = Field(
+        30.0, ge=0, description="seconds an old adapter stays loaded after a newer one"
+    )
     poll_interval: float = Field(1.0, gt=0, description="seconds between looks for ready groups")
-    train_threads: int | None = Field(None, ge=1, description="torch threads for training; None = torch's default")
+    train_threads: int | None = Field(
+        None, ge=1, description="torch threads for training; None = torch's default"
+    )

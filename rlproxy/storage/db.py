@@ -1,0 +1,272 @@
+"""Engines and migrations: the one place that knows how rlproxy talks to SQLite and PostgreSQL.
+
+SQLite is the default store and also the user interface (`sqlite3 rlproxy.db "SELECT ..."`), so
+every connection gets the same pragmas: WAL (readers never block the writer), a busy timeout
+(a second process waits instead of failing), foreign keys on, and `synchronous=NORMAL` (in WAL
+mode a commit survives a process crash; only a power loss can drop the last transactions).
+
+Read-only engines are enforced by the database, not by inspecting SQL: SQLite opens the file
+with the URI flag `mode=ro` and a limit of zero attached databases; PostgreSQL runs every
+transaction `READ ONLY`. `rlproxy sql` uses them for users' ad-hoc queries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import orjson
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import CreateColumn
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+BUSY_TIMEOUT_MS = 10_000
+# How a writer asks for SQLite's write lock up front (see `connect_write`); readers use plain BEGIN.
+SQLITE_BEGIN = "rlproxy_sqlite_begin"
+
+
+@compiles(CreateColumn, "sqlite")
+def _sqlite_column_comment(element: CreateColumn, compiler: Any, **kw: Any) -> str:
+    """Keep column comments in SQLite's DDL, so `sqlite3 rlproxy.db .schema` documents itself.
+
+    SQLite has no COMMENT ON, but it stores each CREATE TABLE's text verbatim, comments included.
+    """
+    text = compiler.visit_create_column(element, **kw)
+    comment = element.element.comment
+    if text and comment:
+        text += " /* " + comment.replace("*/", "* /") + " */"
+    return text
+
+
+def normalize_url(url_or_path: str) -> str:
+    """A SQLAlchemy async URL for a URL or a bare SQLite path.
+
+    `rlproxy.db`, `./x.db`, `sqlite:///x.db` -> `sqlite+aiosqlite:////abs/x.db` (absolute, so that
+    a server started elsewhere and the CLI agree on the file); `postgres://`, `postgresql://` and
+    `postgresql+psycopg://` -> `postgresql+asyncpg://` (the store is async end to end). A bare
+    path may hold any character: `%`, `?` and `#` are escaped in the URL.
+    """
+    s = str(url_or_path).strip()
+    if "://" not in s:
+        if s in ("", ":memory:"):
+            return "sqlite+aiosqlite://"
+        return f"sqlite+aiosqlite:///{_escape(str(Path(s).expanduser().resolve()))}"
+    scheme, rest = s.split("://", 1)
+    base = scheme.split("+", 1)[0]
+    if base == "sqlite":
+        if rest.startswith("/") and len(rest) > 1 and not rest.startswith("/file:"):
+            path, query = rest[1:], ""
+            if "?" in path:
+                path, query = path.split("?", 1)
+                query = "?" + query
+            if path and path != ":memory:" and not path.startswith("/"):
+                path = _escape(str(Path(unquote(path)).expanduser().resolve()))
+            return f"sqlite+aiosqlite:///{path}{query}"
+        return f"sqlite+aiosqlite://{rest}"
+    if base in ("postgres", "postgresql"):
+        return f"postgresql+asyncpg://{rest}"
+    return s
+
+
+def _escape(path: str) -> str:
+    # SQLAlchemy percent-decodes the database part of a URL; these would end it or be decoded.
+    return path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+
+
+def is_sqlite(url_or_engine: str | AsyncEngine) -> bool:
+    """True when the URL or engine is a SQLite one."""
+    if isinstance(url_or_engine, AsyncEngine):
+        return url_or_engine.dialect.name == "sqlite"
+    return make_url(normalize_url(url_or_engine)).get_backend_name() == "sqlite"
+
+
+def sqlite_path(url: str) -> str | None:
+    """The database file of a SQLite URL (None for in-memory)."""
+    u = make_url(normalize_url(url))
+    db = u.database
+    if not db or db == ":memory:":
+        return None
+    return db[5:] if db.startswith("file:") else db
+
+
+def _json_dumps(obj: Any) -> str:
+    # orjson writes NaN/inf as null: json.dumps would write `Infinity`, which neither SQLite's
+    # json functions nor PostgreSQL accept. Logprobs can be -inf.
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _sqlite_factory(readonly: bool, statement_timeout_s: float | None) -> type[sqlite3.Connection]:
+    """A sqlite3.Connection class with the limits set where SQLite enforces them.
+
+    readonly: no attached databases (the `mode=ro` flag covers the main file only).
+    statement_timeout_s: a statement running longer is interrupted ("interrupted" error): the
+    trace callback marks each statement's start, the progress handler checks the clock.
+    """
+
+    class _Connection(sqlite3.Connection):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if readonly:
+                self.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+            if statement_timeout_s:
+                self._deadline = float("inf")
+                self.set_trace_callback(self._started)
+                self.set_progress_handler(self._check, 10_000)
+
+        def _started(self, _sql: str) -> None:
+            self._deadline = time.monotonic() + statement_timeout_s  # type: ignore[operator]
+
+        def _check(self) -> int:
+            return 1 if time.monotonic() > self._deadline else 0
+
+    return _Connection
+
+
+def create_engine(
+    url: str,
+    *,
+    readonly: bool = False,
+    busy_timeout_ms: int = BUSY_TIMEOUT_MS,
+    statement_timeout_s: float | None = None,
+    **kwargs: Any,
+) -> AsyncEngine:
+    """An async engine for `url` (a URL or a SQLite path) with rlproxy's connection settings.
+
+    `readonly=True` gives an engine whose connections the database itself refuses to write with.
+    `busy_timeout_ms`: how long a SQLite connection waits for another process's lock before it
+    fails with "database is locked". `statement_timeout_s`: statements running longer fail (for
+    users' ad-hoc queries). Extra keyword arguments go to `create_async_engine`.
+    """
+    url = normalize_url(url)
+    u = make_url(url)
+    kwargs.setdefault("json_serializer", _json_dumps)
+    kwargs.setdefault("json_deserializer", orjson.loads)
+    if u.get_backend_name() == "sqlite":
+        return _sqlite_engine(url, readonly, busy_timeout_ms, statement_timeout_s, kwargs)
+    if u.get_backend_name() == "postgresql":
+        args = dict(kwargs.pop("connect_args", {}))
+        settings = dict(args.get("server_settings", {}))
+        if readonly:
+            settings["default_transaction_read_only"] = "on"
+            kwargs.setdefault("execution_options", {"postgresql_readonly": True})
+        if statement_timeout_s:
+            settings["statement_timeout"] = str(max(1, int(statement_timeout_s * 1000)))
+        if settings:
+            args["server_settings"] = settings
+        kwargs["connect_args"] = args
+        kwargs.setdefault("pool_pre_ping", True)
+        return create_async_engine(url, **kwargs)
+    return create_async_engine(url, **kwargs)
+
+
+def _sqlite_engine(
+    url: str, readonly: bool, busy_timeout_ms: int, statement_timeout_s: float | None, kwargs: dict[str, Any]
+) -> AsyncEngine:
+    args = dict(kwargs.pop("connect_args", {}))
+    args.setdefault("timeout", busy_timeout_ms / 1000)
+    if readonly:
+        path = sqlite_path(url)
+        if path is None:
+            raise ValueError("a read-only engine needs a database file, not :memory:")
+        if not Path(path).exists():
+            raise FileNotFoundError(f"no database at {path}")
+        # SQLite decodes %XX in a URI filename, SQLAlchemy decodes the URL once before that.
+        url = f"sqlite+aiosqlite:///file:{_escape(quote(path, safe='/'))}?mode=ro&uri=true"
+    if readonly or statement_timeout_s:
+        args["factory"] = _sqlite_factory(readonly, statement_timeout_s)
+    engine = create_async_engine(url, connect_args=args, **kwargs)
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Driver-level autocommit: SQLAlchemy emits BEGIN itself (below), so that a writer can ask
+        # for BEGIN IMMEDIATE and pragmas run outside any transaction.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        if not readonly:
+            cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        if not readonly:
+            cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        mode = conn.get_execution_options().get(SQLITE_BEGIN, "")
+        conn.exec_driver_sql(f"BEGIN {mode}".strip())
+
+    return engine
+
+
+async def connect_write(engine: AsyncEngine) -> AsyncConnection:
+    """A connection whose transactions take SQLite's write lock at BEGIN (BEGIN IMMEDIATE).
+
+    A deferred transaction that reads and then writes can fail at once with SQLITE_BUSY when
+    another process wrote in between (the busy timeout cannot help it); an immediate one waits its
+    turn instead. On PostgreSQL this is a plain connection. Use `async with await connect_write(e)
+    as conn, conn.begin(): ...`.
+    """
+    conn = await engine.connect()
+    if engine.dialect.name == "sqlite":
+        conn = await conn.execution_options(**{SQLITE_BEGIN: "IMMEDIATE"})
+    return conn
+
+
+def alembic_config(url: str) -> Any:
+    """Alembic's Config for `url`, built in code so that it works from an installed package."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", normalize_url(url).replace("%", "%%"))
+    cfg.attributes["configure_logger"] = False
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Apply the Alembic migrations up to `revision` (blocking; call from sync code or a thread)."""
+    from alembic import command
+
+    if is_sqlite(url):
+        path = sqlite_path(url)
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    log.info("migrating %s to %s", _redact(url), revision)
+    _in_thread(command.upgrade, alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    """Undo migrations down to `revision` (`base` drops every rlproxy table and view)."""
+    from alembic import command
+
+    _in_thread(command.downgrade, alembic_config(url), revision)
+
+
+async def upgrade_async(url: str, revision: str = "head") -> None:
+    """`upgrade` from async code: Alembic runs its own event loop, so it runs in a worker thread."""
+    await asyncio.to_thread(upgrade, url, revision)
+
+
+def _in_thread(fn: Any, *args: Any) -> None:
+    # Alembic's env.py runs its own event loop (asyncio.run); a private thread keeps that loop
+    # from touching the caller's thread's event loop, whatever the caller is.
+    with ThreadPoolExecutor(1, thread_name_prefix="rlproxy-migrate") as ex:
+        ex.submit(fn, *args).result()
+
+
+def _redact(url: str) -> str:
+    try:
+        return make_url(normalize_url(url)).render_as_string(hide_password=True)
+    except Exception:  # only for a log line
+        return "<url>"

@@ -1,0 +1,64 @@
+"""What the proxy hands the writer for one model call: a plain dataclass, no ORM, no I/O.
+
+The proxy builds it on the request path and `Writer.submit`s it; the writer alone turns it into
+rows (it assigns `seq` and creates the run). Field names match the `completions` columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+
+@dataclass
+class CompletionRecord:
+    """One captured model call, as the client saw it plus the exact sampled tokens."""
+
+    run_id: str | None  # X-Run-Id; None = not part of a run (stored, never trained)
+    group_id: str | None = None  # explicit X-Group-Id (wins over default_group)
+    default_group: str | None = None  # the proxy's hash; used only when the run is new
+    policy: str | None = None  # policy the request named
+    adapter: str | None = None  # model the upstream served: base name or policy@step
+    policy_step: int | None = None  # 0 = base model
+    endpoint: str | None = None  # "chat.completions" or "completions"
+    stream: bool | None = None
+    request: dict[str, Any] | None = None  # the client's request body
+    response: dict[str, Any] | None = None  # what the client got (a stream assembled)
+    prompt_token_ids: list[Any] | None = None
+    token_ids: list[Any] | None = None  # one list per choice
+    logprobs: list[Any] | None = None  # one list per choice, sampling logprobs
+    finish_reason: str | None = None
+    status: str | None = None  # ok, error, cancelled
+    status_code: int | None = None
+    error: str | None = None
+    latency_ms: float | None = None
+    ttft_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    created_at: datetime | None = None  # UTC; the writer fills in now() when None
+
+
+# The record fields that are `completions` columns (group_id/default_group belong to the run).
+COMPLETION_FIELDS: tuple[str, ...] = (
+    "run_id",
+    "policy",
+    "adapter",
+    "policy_step",
+    "endpoint",
+    "stream",
+    "request",
+    "response",
+    "prompt_token_ids",
+    "token_ids",
+    "logprobs",
+    "finish_reason",
+    "status",
+    "status_code",
+    "error",
+    "latency_ms",
+    "ttft_ms",
+    "prompt_tokens",
+    "completion_tokens",
+    "created_at",
+)

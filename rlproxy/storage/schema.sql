@@ -1,0 +1,109 @@
+-- rlproxy's SQLite schema at the newest migration (generated: python -m rlproxy.storage.schema).
+-- Do not edit: change rlproxy/storage/models.py, add an Alembic revision, regenerate this file.
+-- JSON columns hold JSON text: query them with json_extract(col, '$.path') and json_each(col).
+-- Views: messages (one row per chat message of each completion), trajectories (one row per run).
+
+CREATE TABLE alembic_version (
+	version_num VARCHAR(32) NOT NULL,
+	CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num)
+);
+
+CREATE TABLE completions (
+	id INTEGER NOT NULL,
+	run_id VARCHAR(128) /* NULL when the request carried no run key */,
+	seq INTEGER /* 0,1,2,... order of the call within its run */,
+	policy VARCHAR(256) /* policy the request named */,
+	adapter VARCHAR(256) /* model the upstream served: base or policy@step */,
+	policy_step INTEGER /* 0 = base model */,
+	endpoint VARCHAR(64) /* chat.completions or completions */,
+	stream BOOLEAN,
+	request JSON /* the client's request body, as sent */,
+	response JSON /* the response as the client got it (streams assembled) */,
+	prompt_token_ids JSON,
+	token_ids JSON /* sampled token ids, one list per choice */,
+	logprobs JSON /* sampling logprobs, one list per choice */,
+	finish_reason VARCHAR(32),
+	status VARCHAR(16) /* ok, error, cancelled (client disconnected) */,
+	status_code INTEGER,
+	error TEXT,
+	latency_ms FLOAT,
+	ttft_ms FLOAT /* time to first token (streams) */,
+	prompt_tokens INTEGER,
+	completion_tokens INTEGER,
+	created_at DATETIME NOT NULL,
+	PRIMARY KEY (id),
+	FOREIGN KEY(run_id) REFERENCES runs (id) ON DELETE CASCADE,
+	CONSTRAINT uq_completions_run_seq UNIQUE (run_id, seq)
+);
+
+CREATE TABLE runs (
+	id VARCHAR(128) NOT NULL /* X-Run-Id of the episode */,
+	group_id VARCHAR(128) /* X-Group-Id, or a hash of policy+tools+prompt of its first completion */,
+	policy VARCHAR(256) /* policy of its first completion */,
+	status VARCHAR(16) NOT NULL,
+	reward FLOAT,
+	metrics JSON /* named numbers posted with the reward */,
+	metadata JSON /* free JSON posted with the reward */,
+	created_at DATETIME NOT NULL,
+	completed_at DATETIME /* when rewarded */,
+	trained_step INTEGER /* training_steps.step that used it */,
+	PRIMARY KEY (id)
+);
+
+CREATE TABLE training_steps (
+	id INTEGER NOT NULL,
+	step INTEGER NOT NULL /* 1,2,... per policy; adapter served as policy@step */,
+	policy VARCHAR(256) NOT NULL,
+	adapter_path TEXT /* checkpoint folder holding the adapter */,
+	started_at DATETIME,
+	finished_at DATETIME,
+	num_groups INTEGER,
+	num_runs INTEGER,
+	num_tokens INTEGER /* sampled tokens trained on */,
+	mean_reward FLOAT,
+	loss FLOAT,
+	metrics JSON /* loss/, kl/, clip/, reward/, perf/ numbers */,
+	config JSON /* resolved trainer settings of this step */,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_training_steps_policy_step UNIQUE (policy, step)
+);
+
+CREATE INDEX ix_completions_created_at ON completions (created_at);
+
+CREATE INDEX ix_runs_created_at ON runs (created_at, id);
+
+CREATE INDEX ix_runs_group_id ON runs (group_id);
+
+CREATE INDEX ix_runs_status ON runs (status);
+
+CREATE INDEX ix_runs_status_group ON runs (status, group_id);
+
+CREATE VIEW messages AS
+SELECT c.run_id AS run_id, c.id AS completion_id, c.seq AS seq, CAST(m.key AS INTEGER) AS idx,
+       json_extract(m.value, '$.role') AS role,
+       json_extract(m.value, '$.content') AS content,
+       json_extract(m.value, '$.tool_calls') AS tool_calls,
+       json_extract(m.value, '$.name') AS name
+FROM completions AS c, json_each(c.request, '$.messages') AS m
+WHERE json_type(c.request, '$.messages') = 'array'
+UNION ALL
+SELECT c.run_id, c.id, c.seq,
+       coalesce(json_array_length(c.request, '$.messages'), 0),
+       coalesce(json_extract(c.response, '$.choices[0].message.role'), 'assistant'),
+       json_extract(c.response, '$.choices[0].message.content'),
+       json_extract(c.response, '$.choices[0].message.tool_calls'),
+       json_extract(c.response, '$.choices[0].message.name')
+FROM completions AS c
+WHERE json_type(c.response, '$.choices[0].message') = 'object';
+
+CREATE VIEW trajectories AS
+SELECT r.id AS run_id, r.group_id AS group_id, r.reward AS reward, r.status AS status,
+       (SELECT count(*) FROM completions AS c WHERE c.run_id = r.id) AS n_completions,
+       (SELECT CASE
+                 WHEN json_type(c.response, '$.choices[0].message') = 'object'
+                 THEN json_insert(coalesce(json_extract(c.request, '$.messages'), '[]'), '$[#]',
+                                  json(json_extract(c.response, '$.choices[0].message')))
+                 ELSE coalesce(json_extract(c.request, '$.messages'), '[]')
+               END
+        FROM completions AS c WHERE c.run_id = r.id ORDER BY c.seq DESC LIMIT 1) AS messages
+FROM runs AS r;

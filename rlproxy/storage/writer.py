@@ -1,0 +1,389 @@
+"""The single writer: every captured completion and every reward reaches SQL through here.
+
+Why one writer: SQLite allows one writing transaction at a time, and `seq` (0,1,2,... per run)
+must be gapless. A FIFO queue feeding one connection gives both without locks: the writer task
+takes what has queued up (for `flush_interval` seconds or `max_batch` operations), writes it in one
+transaction (`BEGIN IMMEDIATE` on SQLite), and only then moves on. A reward travels through the same
+queue, so by the time it is applied every completion submitted before it for its run is committed
+in the same or an earlier transaction; the caller awaits a future resolved after the commit.
+
+Capture never breaks the user's response: `submit` never blocks or raises; a failed transaction is
+logged, counted and retried with backoff (a locked or unreachable database heals by itself); a
+batch that keeps failing for a reason that retrying cannot fix is split, and only a single record
+that cannot be stored on its own is dropped (logged with its run id, counted in `dropped`).
+
+What a crash can lose: a completion is committed after its response reached the client, within
+`flush_interval` (50 ms by default) plus one transaction. A killed process loses at most what was
+queued in that window; committed rows survive it (WAL). With SQLite's synchronous=NORMAL, an OS
+crash or power cut can also roll back the last commits before the WAL was synced to disk.
+A reward is acknowledged (HTTP 200) only after it and its run's completions are committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import exc, func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from rlproxy.errors import StorageError
+from rlproxy.storage.db import connect_write
+from rlproxy.storage.errors import RewardConflict, RunNotFound
+from rlproxy.storage.models import Completion, Run, RunStatus
+from rlproxy.storage.records import COMPLETION_FIELDS, CompletionRecord
+
+log = logging.getLogger(__name__)
+
+RUNS = Run.__table__
+COMPLETIONS = Completion.__table__
+# Attempts at a batch before a non-transient failure makes us split it into single records.
+SPLIT_AFTER = 3
+MAX_BACKOFF_S = 2.0
+
+
+@dataclass
+class _Reward:
+    run_id: str
+    reward: float
+    metrics: dict[str, Any] | None
+    metadata: dict[str, Any] | None
+    future: asyncio.Future[bool] = field(repr=False)
+
+
+@dataclass
+class _Flush:
+    """A barrier: its future resolves once everything queued before it is committed."""
+
+    future: asyncio.Future[bool] = field(repr=False)
+
+
+class _Stop:
+    """The close() marker: everything queued before it is written, then the task ends."""
+
+
+_Op = CompletionRecord | _Reward | _Flush | _Stop
+
+
+class Writer:
+    """Batches completions and rewards into transactions on one connection (see module doc)."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        flush_interval: float = 0.05,
+        max_batch: int = 256,
+        drain_timeout: float = 30.0,
+    ) -> None:
+        self._engine = engine
+        self.flush_interval = flush_interval
+        self.max_batch = max(1, max_batch)
+        self.drain_timeout = drain_timeout  # close(): how long to keep retrying a failing database
+        self._queue: asyncio.Queue[_Op] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._urgent = 0  # rewards and stops in the queue: flush without waiting for more
+        self._next_seq: dict[str, int] = {}  # committed next seq per run (a run here has its row)
+        self._conn: AsyncConnection | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._closed = False
+        self._close_deadline: float | None = None
+        self._pending = 0
+        self.rows_written = 0  # completions committed
+        self.rewards_written = 0
+        self.write_errors = 0  # failed transaction attempts (each one retried)
+        self.dropped = 0  # records given up on (logged); 0 unless a record cannot be stored at all
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        """Operations submitted and not yet committed (or dropped)."""
+        return self._pending
+
+    async def start(self) -> None:
+        """Start the writer task (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="rlproxy-writer")
+
+    def submit(self, rec: CompletionRecord) -> None:
+        """Queue a completion for storage. Never blocks, never raises."""
+        if self._closing:
+            self.dropped += 1
+            log.error("writer is closed; completion of run %s not stored", rec.run_id)
+            return
+        self._pending += 1
+        self._queue.put_nowait(rec)
+        if self._queue.qsize() >= self.max_batch:
+            self._wake.set()
+
+    async def reward(
+        self,
+        run_id: str,
+        reward: float,
+        metrics: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
+        """Store a run's reward once its earlier completions are committed.
+
+        True: stored (the run becomes `completed`). False: this same reward was already stored.
+        Raises RunNotFound (no such run), RewardConflict (a different reward is stored).
+        """
+        if not math.isfinite(reward):
+            raise ValueError("reward must be a finite number")
+        if self._closing or self._task is None:
+            raise StorageError("the writer is not running")
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._put_urgent(_Reward(run_id, float(reward), metrics, metadata, fut))
+        return await fut
+
+    async def flush(self) -> None:
+        """Wait until everything submitted so far is committed (or given up on)."""
+        if self._closing or self._task is None:
+            return
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._put_urgent(_Flush(fut))
+        await fut
+
+    async def close(self) -> None:
+        """Write everything queued, then stop. Idempotent."""
+        if self._closed:
+            return
+        self._closing = True
+        if self._task is not None:
+            self._close_deadline = time.monotonic() + self.drain_timeout
+            self._put_urgent(_Stop())
+            try:
+                await self._task
+            finally:
+                self._task = None
+        if self._conn is not None:
+            await self._discard_conn()
+        self._closed = True
+        log.info(
+            "writer closed: %d rows written, %d errors, %d dropped",
+            self.rows_written,
+            self.write_errors,
+            self.dropped,
+        )
+
+    # -- the task -----------------------------------------------------------------------------
+
+    def _put_urgent(self, op: _Op) -> None:
+        self._pending += 1
+        self._urgent += 1
+        self._queue.put_nowait(op)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            batch = await self._next_batch()
+            stop = isinstance(batch[-1], _Stop)
+            if stop:
+                batch.pop()
+                self._pending -= 1
+            if batch:
+                try:
+                    await self._write_with_retry(batch)
+                except Exception:  # the writer must outlive any bug in a batch
+                    log.exception("writer: unexpected failure; %d operations dropped", len(batch))
+                    self._give_up(batch, StorageError("the writer failed"))
+            if stop:
+                return
+
+    async def _next_batch(self) -> list[_Op]:
+        first = await self._queue.get()
+        if not isinstance(first, CompletionRecord):
+            self._urgent -= 1
+            return [first]
+        if self._urgent == 0 and self._queue.qsize() + 1 < self.max_batch and self.flush_interval > 0:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.flush_interval)
+            except TimeoutError:
+                pass
+        batch: list[_Op] = [first]
+        while len(batch) < self.max_batch:
+            try:
+                op = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            batch.append(op)
+            if not isinstance(op, CompletionRecord):
+                self._urgent -= 1
+                break  # a reward, flush or stop ends the batch: it must not wait for later records
+        return batch
+
+    async def _write_with_retry(self, batch: list[_Op]) -> None:
+        attempt = 0
+        while True:
+            try:
+                results = await self._write(batch)
+            except Exception as e:
+                attempt += 1
+                self.write_errors += 1
+                await self._discard_conn()
+                for op in batch:  # re-read max(seq) next time: another process may have written
+                    if isinstance(op, CompletionRecord) and op.run_id is not None:
+                        self._next_seq.pop(op.run_id, None)
+                transient = _is_transient(e)
+                log.warning(
+                    "writer: transaction of %d operations failed (attempt %d, %s): %s",
+                    len(batch),
+                    attempt,
+                    "will retry" if transient else "permanent?",
+                    e,
+                )
+                if not transient and attempt >= SPLIT_AFTER:
+                    if len(batch) > 1:
+                        for op in batch:
+                            await self._write_with_retry([op])
+                        return
+                    self._give_up(batch, e)
+                    return
+                if self._close_deadline is not None and time.monotonic() > self._close_deadline:
+                    self._give_up(batch, e)
+                    return
+                await asyncio.sleep(min(0.05 * 2 ** (attempt - 1), MAX_BACKOFF_S))
+                continue
+            for op, outcome in zip(batch, results, strict=True):
+                self._pending -= 1
+                if isinstance(op, _Flush) and not op.future.done():
+                    op.future.set_result(True)
+                elif isinstance(op, _Reward) and not op.future.done():
+                    if isinstance(outcome, BaseException):
+                        op.future.set_exception(outcome)
+                    else:
+                        op.future.set_result(bool(outcome))
+            return
+
+    def _give_up(self, batch: list[_Op], err: BaseException) -> None:
+        for op in batch:
+            self._pending -= 1
+            if isinstance(op, _Reward):
+                if not op.future.done():
+                    op.future.set_exception(StorageError(f"reward of run {op.run_id} not stored: {err}"))
+            elif isinstance(op, _Flush):
+                if not op.future.done():
+                    op.future.set_result(False)
+            else:
+                self.dropped += 1
+                log.error("writer: dropped a completion of run %s: %s", getattr(op, "run_id", None), err)
+
+    async def _discard_conn(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            await conn.invalidate()
+            await conn.close()
+        except Exception as e:
+            log.debug("writer: closing a broken connection: %s", e)
+
+    async def _write(self, batch: list[_Op]) -> list[Any]:
+        """One transaction for the batch. Returns one outcome per op (a bool or an exception)."""
+        if self._conn is None:
+            self._conn = await connect_write(self._engine)
+        conn = self._conn
+        records = [op for op in batch if isinstance(op, CompletionRecord)]
+        next_seq = dict(self._next_seq)
+        outcomes: list[Any] = []
+        async with conn.begin():
+            await self._ensure_runs(conn, records, next_seq)
+            now = datetime.now(UTC)
+            rows = []
+            for rec in records:
+                row = {f: getattr(rec, f) for f in COMPLETION_FIELDS}
+                row["created_at"] = rec.created_at or now
+                if rec.run_id is not None:
+                    row["seq"] = next_seq[rec.run_id]
+                    next_seq[rec.run_id] += 1
+                else:
+                    row["seq"] = None
+                rows.append(row)
+            if rows:
+                await conn.execute(insert(COMPLETIONS), rows)
+            for op in batch:
+                if isinstance(op, _Reward):
+                    outcomes.append(await self._apply_reward(conn, op, now))
+                else:
+                    outcomes.append(None)
+        self._next_seq = next_seq
+        self.rows_written += len(rows)
+        self.rewards_written += sum(1 for o in outcomes if o is True)
+        return outcomes
+
+    async def _ensure_runs(
+        self, conn: AsyncConnection, records: list[CompletionRecord], next_seq: dict[str, int]
+    ) -> None:
+        """Read next seq of runs not seen yet, and create the rows of runs that are new."""
+        first: dict[str, CompletionRecord] = {}
+        for rec in records:
+            if rec.run_id is not None and rec.run_id not in next_seq and rec.run_id not in first:
+                first[rec.run_id] = rec
+        if not first:
+            return
+        ids = list(first)
+        existing = set((await conn.execute(select(RUNS.c.id).where(RUNS.c.id.in_(ids)))).scalars())
+        max_seq = dict(
+            (
+                await conn.execute(
+                    select(COMPLETIONS.c.run_id, func.max(COMPLETIONS.c.seq))
+                    .where(COMPLETIONS.c.run_id.in_(ids))
+                    .group_by(COMPLETIONS.c.run_id)
+                )
+            ).all()
+        )
+        new = [
+            {
+                "id": rid,
+                "group_id": rec.group_id or rec.default_group,
+                "policy": rec.policy,
+                "status": RunStatus.open.value,
+                "created_at": rec.created_at or datetime.now(UTC),
+            }
+            for rid, rec in first.items()
+            if rid not in existing
+        ]
+        if new:
+            await conn.execute(insert(RUNS), new)
+        for rid in ids:
+            m = max_seq.get(rid)
+            next_seq[rid] = 0 if m is None else int(m) + 1
+
+    async def _apply_reward(self, conn: AsyncConnection, op: _Reward, now: datetime) -> Any:
+        row = (await conn.execute(select(RUNS.c.reward, RUNS.c.status).where(RUNS.c.id == op.run_id))).first()
+        if row is None:
+            return RunNotFound(op.run_id)
+        if row.reward is not None:
+            if float(row.reward) == op.reward:
+                return False
+            return RewardConflict(op.run_id, row.reward, op.reward)
+        # A late reward revives an expired run; a run the trainer already judged keeps its status.
+        status = (
+            RunStatus.completed.value if row.status in (RunStatus.open, RunStatus.expired) else row.status
+        )
+        await conn.execute(
+            update(RUNS)
+            .where(RUNS.c.id == op.run_id)
+            .values(
+                reward=op.reward, metrics=op.metrics, metadata=op.metadata, completed_at=now, status=status
+            )
+        )
+        return True
+
+
+def _is_transient(e: BaseException) -> bool:
+    """Errors that waiting can fix: locks, lost connections, a database restarting."""
+    if isinstance(e, exc.DBAPIError):
+        if e.connection_invalidated:
+            return True
+        if isinstance(e, exc.OperationalError | exc.InterfaceError):
+            return True
+        return False
+    return isinstance(e, OSError | ConnectionError | TimeoutError | exc.DisconnectionError)

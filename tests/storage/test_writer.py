@@ -1,0 +1,252 @@
+"""The single writer: batching, gapless seq, rewards after their completions, retries, draining."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sqlite3
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from rlproxy.errors import StorageError
+from rlproxy.storage.db import create_engine, sqlite_path
+from rlproxy.storage.errors import RewardConflict, RunNotFound
+from rlproxy.storage.records import CompletionRecord
+from rlproxy.storage.writer import Writer
+
+
+def rec(run_id: str | None, i: int = 0, **kw: object) -> CompletionRecord:
+    return CompletionRecord(
+        run_id=run_id,
+        policy=kw.pop("policy", "p"),
+        default_group=kw.pop("default_group", "g-default"),
+        endpoint="chat.completions",
+        request={"messages": [{"role": "user", "content": f"q{i}"}], "i": i},
+        response={"choices": [{"message": {"role": "assistant", "content": f"a{i}"}}]},
+        token_ids=[[1, 2, 3]],
+        logprobs=[[-0.1, -0.2, float("-inf")]],
+        status="ok",
+        status_code=200,
+        **kw,
+    )
+
+
+async def rows(engine: AsyncEngine, sql: str, **params: object) -> list[tuple]:
+    async with engine.connect() as conn:
+        return [tuple(r) for r in (await conn.execute(text(sql), params)).all()]
+
+
+async def test_concurrent_submits_gapless_seq(engine: AsyncEngine) -> None:
+    w = Writer(engine, flush_interval=0.01, max_batch=32)
+    await w.start()
+    order: dict[str, list[int]] = defaultdict(list)
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(random.random() * 0.05)
+        run = f"run-{i % 50}"
+        order[run].append(i)  # submit order within the run
+        w.submit(rec(run, i))
+
+    await asyncio.gather(*(one(i) for i in range(200)))
+    await w.close()
+    assert w.rows_written == 200 and w.depth == 0 and w.dropped == 0
+    got = await rows(engine, "SELECT run_id, seq, request FROM completions ORDER BY run_id, seq")
+    assert len(got) == 200
+    by_run: dict[str, list[int]] = defaultdict(list)
+    for run_id, seq, _req in got:
+        by_run[run_id].append(seq)
+    assert len(by_run) == 50
+    assert all(seqs == list(range(len(seqs))) for seqs in by_run.values())
+    # seq follows submission order within a run
+    async with engine.connect() as conn:
+        for run in ("run-0", "run-7"):
+            res = await conn.execute(
+                text("SELECT request FROM completions WHERE run_id = :r ORDER BY seq"), {"r": run}
+            )
+            reqs = [r[0] if isinstance(r[0], dict) else json.loads(r[0]) for r in res]
+            assert [q["i"] for q in reqs] == order[run]
+    assert (await rows(engine, "SELECT count(*) FROM runs"))[0][0] == 50
+
+
+async def test_reward_flushes_the_runs_completions_first(engine: AsyncEngine) -> None:
+    w = Writer(engine, flush_interval=30.0, max_batch=1000)  # would otherwise sit for 30 s
+    await w.start()
+    for i in range(5):
+        w.submit(rec("r", i))
+    t0 = time.monotonic()
+    assert await w.reward("r", 1.5, {"acc": 1.0}, {"note": "x"}) is True
+    assert time.monotonic() - t0 < 5
+    assert (await rows(engine, "SELECT count(*) FROM completions WHERE run_id = 'r'"))[0][0] == 5
+    ((status, reward, completed_at),) = await rows(engine, "SELECT status, reward, completed_at FROM runs")
+    assert (status, reward) == ("completed", 1.5) and completed_at is not None
+    await w.close()
+
+
+async def test_reward_outcomes(engine: AsyncEngine) -> None:
+    w = Writer(engine, flush_interval=0.01)
+    await w.start()
+    w.submit(rec("a"))
+    w.submit(rec("b"))
+    w.submit(rec("c"))
+    assert await w.reward("a", 1.0) is True  # new
+    assert await w.reward("a", 1.0, {"x": 2.0}) is False  # the same again
+    with pytest.raises(RewardConflict):  # a different one
+        await w.reward("a", 0.0)
+    with pytest.raises(RunNotFound):  # unknown
+        await w.reward("nope", 1.0)
+    with pytest.raises(ValueError):
+        await w.reward("a", float("nan"))
+    # a run the trainer already used: same -> False, different -> conflict, status untouched
+    assert await w.reward("b", 0.5) is True
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE runs SET status = 'trained', trained_step = 1 WHERE id = 'b'"))
+        await conn.execute(text("UPDATE runs SET status = 'expired' WHERE id = 'c'"))
+    assert await w.reward("b", 0.5) is False
+    with pytest.raises(RewardConflict):
+        await w.reward("b", 0.25)
+    assert await w.reward("c", 2.0) is True  # a late reward revives an expired run
+    await w.close()
+    got = await rows(engine, "SELECT id, status, reward, metrics FROM runs ORDER BY id")
+    assert [(r[0], r[1], r[2]) for r in got] == [
+        ("a", "completed", 1.0),
+        ("b", "trained", 0.5),
+        ("c", "completed", 2.0),
+    ]
+    assert got[0][3] is None  # the ignored second post did not touch metrics
+    assert w.rewards_written == 3
+    with pytest.raises(StorageError):  # closed
+        await w.reward("a", 1.0)
+
+
+async def test_run_rows(engine: AsyncEngine) -> None:
+    w = Writer(engine, flush_interval=0.01)
+    await w.start()
+    w.submit(rec("explicit", group_id="G1", default_group="hash", policy="pol"))
+    w.submit(rec("explicit", group_id="G2", policy="other"))  # later completions don't regroup
+    w.submit(rec("implicit", default_group="hash"))
+    w.submit(rec(None))
+    w.submit(rec(None))
+    await w.close()
+    got = await rows(engine, "SELECT id, group_id, policy, status FROM runs ORDER BY id")
+    assert got == [("explicit", "G1", "pol", "open"), ("implicit", "hash", "p", "open")]
+    assert await rows(engine, "SELECT seq FROM completions WHERE run_id IS NULL") == [(None,), (None,)]
+
+
+async def test_close_drains(engine: AsyncEngine) -> None:
+    w = Writer(engine, flush_interval=30.0, max_batch=64)
+    await w.start()
+    for i in range(300):
+        w.submit(rec(f"r{i % 7}", i))
+    assert w.depth == 300
+    t0 = time.monotonic()
+    await w.close()
+    assert time.monotonic() - t0 < 10
+    assert (await rows(engine, "SELECT count(*) FROM completions"))[0][0] == 300
+    assert w.depth == 0
+    w.submit(rec("late"))  # after close: counted, never raises
+    assert w.dropped == 1
+    await w.close()  # idempotent
+
+
+async def test_two_writers_share_a_run(engine: AsyncEngine, migrated_url: str) -> None:
+    """Two proxy processes on one database: a stale seq cache is detected and re-read, nothing lost."""
+    other = create_engine(migrated_url)
+    w1, w2 = Writer(engine, flush_interval=0), Writer(other, flush_interval=0)
+    await w1.start()
+    await w2.start()
+    try:
+        for i in range(6):
+            (w1 if i % 2 == 0 else w2).submit(rec("shared", i))
+            await (w1 if i % 2 == 0 else w2).flush()
+    finally:
+        await w1.close()
+        await w2.close()
+        await other.dispose()
+    assert await rows(engine, "SELECT seq FROM completions ORDER BY seq") == [(i,) for i in range(6)]
+    assert w1.dropped == w2.dropped == 0
+
+
+async def test_unstorable_record_is_dropped_alone(engine: AsyncEngine) -> None:
+    w = Writer(engine, flush_interval=0.05)
+    await w.start()
+    for i in range(4):
+        w.submit(rec("ok", i))
+    bad = rec("ok", 99)
+    bad.request = {"not json": object()}
+    w.submit(bad)
+    w.submit(rec("ok", 5))
+    await w.close()
+    assert w.dropped == 1 and w.write_errors >= 3
+    assert await rows(engine, "SELECT seq FROM completions ORDER BY seq") == [(i,) for i in range(5)]
+
+
+async def test_failed_writes_are_retried(migrated_url: str) -> None:
+    """The database refuses writes for a while (a lock, a dropped connection): nothing is lost."""
+    if migrated_url.startswith("sqlite"):
+        engine = create_engine(migrated_url, busy_timeout_ms=50)
+        locked = threading.Event()
+
+        def hold_lock() -> None:
+            con = sqlite3.connect(sqlite_path(migrated_url), isolation_level=None)
+            con.execute("BEGIN IMMEDIATE")
+            locked.set()
+            time.sleep(0.8)
+            con.execute("COMMIT")
+            con.close()
+
+        holder = threading.Thread(target=hold_lock)
+        holder.start()
+        await asyncio.to_thread(locked.wait)
+        break_db = None
+    else:
+        engine = create_engine(migrated_url)
+        holder = None
+
+        async def break_db() -> None:  # kill every other session of this database
+            async with engine.connect() as conn:
+                await conn.execute(
+                    text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    )
+                )
+                await conn.commit()
+
+    w = Writer(engine, flush_interval=0.01)
+    await w.start()
+    try:
+        if break_db is not None:
+            w.submit(rec("r", 0))
+            await w.flush()  # the writer holds its connection now
+            await break_db()
+        for i in range(20):
+            w.submit(rec("r", i))
+        await w.reward("r", 1.0)
+        await w.close()
+        assert w.write_errors >= 1 and w.dropped == 0
+        n = 21 if break_db is not None else 20
+        assert await rows(engine, "SELECT seq FROM completions ORDER BY seq") == [(i,) for i in range(n)]
+        assert await rows(engine, "SELECT reward FROM runs") == [(1.0,)]
+    finally:
+        if holder is not None:
+            holder.join()
+        await engine.dispose()
+
+
+async def test_flush_is_a_barrier(engine: AsyncEngine) -> None:
+    w = Writer(engine, flush_interval=30.0)
+    await w.start()
+    for i in range(3):
+        w.submit(rec("r", i))
+    t0 = time.monotonic()
+    await w.flush()
+    assert time.monotonic() - t0 < 5 and w.depth == 0
+    assert (await rows(engine, "SELECT count(*) FROM completions"))[0][0] == 3
+    await w.close()
+    await w.flush()  # after close: returns at once
