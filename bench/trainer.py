@@ -1,0 +1,313 @@
+"""GRPO step throughput: rlproxy's trainer vs TRL's GRPOTrainer, same model, batch and LoRA, same run.
+
+    .venv/bin/python bench/trainer.py [--quick] [--threads N] [--steps N]
+
+Method. Both sides train SmolLM2-135M-Instruct (fp32, CPU unless CUDA is there) with LoRA r=8,
+alpha=16 on q,k,v,o,gate,up,down, on one batch of 8 sequences x 128 tokens (64 prompt + 64
+completion tokens, the same random token ids, 2 groups of 4 with the same rewards), loss `grpo`,
+beta 0 (no reference pass), epsilon 0.2, AdamW lr 1e-5, grad-norm clip 1.0, one micro-batch, no
+gradient checkpointing (TRL's default turns it on; off on both sides for a like-for-like step;
+`--trl-default` also times TRL with it on, as shipped).
+- rlproxy: `train_step` (advantages, batch building, forward, backward, clip, AdamW step), with the
+  sampling logprobs given as stored (the serving engine computed them).
+- TRL: `GRPOTrainer.train()` with a `rollout_func` that returns the same fixed completions instantly,
+  so generation costs ~nothing; each step is timed from the callback's on_step_begin to on_step_end
+  (tokenizing, rewards, advantages, forward, backward, clip, AdamW step), and the rollout's own time is
+  subtracted.
+Each side runs in its own subprocess (peak RSS = its ru_maxrss), warms up one step, then times
+`--steps` steps; workers alternate (ours, TRL, ours, TRL, ...) for `--rounds` rounds.
+tokens/s = 8 x 128 / median step wall seconds; tokens per CPU-second = 8 x 128 / median step CPU
+seconds of the process (all threads), the fairer figure on a machine shared with other work.
+rlproxy runs each distinct prompt of a micro-batch once and fans its keys/values out to the
+samples that share it (exact, gradient included: tests/trainer/test_step.py); TRL runs every
+sequence whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+B, PROMPT_LEN, COMPLETION_LEN, GROUP = 8, 64, 64, 4
+REWARDS = [1.0, 0.0, 0.5, 0.25, 0.0, 1.0, 0.75, 0.0]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def token_data(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Two prompts (each repeated for its group of 4) and 8 completions of random token ids."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(100, vocab - 100, (PROMPT_LEN,), generator=g).tolist() for _ in range(B // GROUP)
+    ]
+    completions = [torch.randint(100, vocab - 100, (COMPLETION_LEN,), generator=g).tolist() for _ in range(B)]
+    return [prompts[i // GROUP] for i in range(B)], completions
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def worker_ours(model_dir: str, steps: int) -> dict:
+    import torch
+
+    from rlproxy.storage.training import CompletionData, RunData
+    from rlproxy.trainer.batches import build_samples, collate
+    from rlproxy.trainer.config import TrainerConfig
+    from rlproxy.trainer.model import load_policy, token_logprobs
+    from rlproxy.trainer.step import make_optimizer, train_step
+
+    cfg = TrainerConfig(
+        lora_r=8,
+        lora_alpha=16,
+        lora_target_modules=TARGETS,
+        learning_rate=1e-5,
+        micro_batch_size=B,
+        loss="grpo",
+    )
+    model, tok = load_policy(model_dir, cfg)
+    opt = make_optimizer(model, cfg)
+    prompts, completions = token_data(len(tok))
+
+    def runs(old: list[list[float]] | None) -> list[RunData]:
+        out = []
+        for i in range(B):
+            lps = [old[i]] if old else None
+            c = CompletionData(
+                f"r{i}", 0, 0, "chat.completions", None, None, prompts[i], [completions[i]], lps
+            )
+            out.append(RunData(f"r{i}", f"g{i // GROUP}", "p", REWARDS[i], [c]))
+        return out
+
+    # the sampling logprobs the serving engine would have stored (not timed)
+    samples, _ = build_samples(runs(None), {f"r{i}": 0.0 for i in range(B)}, tok, 4096)
+    with torch.no_grad():
+        old = token_logprobs(model, collate(samples, tok.pad_token_id)).tolist()
+    data = runs(old)
+    times, cpu = [], []
+    for i in range(steps + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        train_step(model, tok, opt, data, cfg)
+        if i > 0:  # the first step warms up
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return {"times": times, "cpu": cpu}
+
+
+def worker_trl(model_dir: str, steps: int, checkpointing: bool = False) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    prompts, completions = token_data(len(tok))
+    rollout_seconds = [0.0]
+
+    def rollout_func(batch_prompts: list, trainer: object) -> dict:
+        t0 = time.perf_counter()  # the generation TRL would do, replaced by the fixed completions
+        out = {"prompt_ids": prompts, "completion_ids": completions, "logprobs": None}
+        rollout_seconds[0] += time.perf_counter() - t0
+        return out
+
+    def reward_func(completions: list, **kwargs: object) -> list[float]:
+        return REWARDS[: len(completions)]
+
+    class Timer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.cpu: list[float] = []
+            self.t0 = self.c0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+            rollout_seconds[0] = 0.0
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            self.times.append(time.perf_counter() - self.t0 - rollout_seconds[0])
+            self.cpu.append(time.process_time() - self.c0 - rollout_seconds[0])
+
+    use_cpu = not torch.cuda.is_available()
+    args = GRPOConfig(
+        output_dir=str(ROOT / ".cache" / "bench-trl"),
+        per_device_train_batch_size=B,
+        num_generations=GROUP,
+        max_completion_length=COMPLETION_LEN,
+        loss_type="grpo",
+        beta=0.0,
+        epsilon=0.2,
+        learning_rate=1e-5,
+        max_grad_norm=1.0,
+        max_steps=steps + 1,
+        gradient_checkpointing=checkpointing,
+        use_cpu=use_cpu,
+        bf16=not use_cpu,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    dataset = Dataset.from_dict({"prompt": ["bench prompt"] * (B * (steps + 2))})
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32 if use_cpu else torch.bfloat16
+    )
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    timer = Timer()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_func,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        peft_config=lora,
+        rollout_func=rollout_func,
+        callbacks=[timer],
+    )
+    trainer.train()
+    return {"times": timer.times[1:], "cpu": timer.cpu[1:]}
+
+
+def worker_swap(model_dir: str, steps: int) -> dict:
+    """Seconds from "adapter saved" to the first response from it on the embedded engine."""
+    import asyncio
+
+    import torch
+    from openai import AsyncOpenAI
+
+    from rlproxy.inference.embedded import EmbeddedBackend
+    from rlproxy.trainer.config import TrainerConfig
+    from rlproxy.trainer.model import load_policy
+
+    model, _ = load_policy(model_dir, TrainerConfig(lora_r=8, lora_alpha=16, lora_target_modules=TARGETS))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.01)
+    out = ROOT / ".cache" / "bench-swap"
+
+    async def go() -> list[float]:
+        backend = EmbeddedBackend(model_dir, threads=torch.get_num_threads())
+        await backend.start()
+        client = AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused")
+        msgs = [{"role": "user", "content": "Say hi."}]
+        await client.chat.completions.create(model=backend.served_model, messages=msgs, max_tokens=1)  # warm
+        times = []
+        try:
+            for i in range(1, steps + 2):
+                model.save_pretrained(str(out / f"step-{i}"))
+                t0 = time.perf_counter()  # adapter saved
+                await backend.load_adapter(f"bench@{i}", str(out / f"step-{i}"))
+                await client.chat.completions.create(model=f"bench@{i}", messages=msgs, max_tokens=1)
+                times.append(time.perf_counter() - t0)
+        finally:
+            await backend.stop()
+        return times[1:]
+
+    return {"times": asyncio.run(go()), "cpu": []}
+
+
+def run_worker(kind: str, model_dir: str, steps: int, threads: int) -> dict:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    }
+    cmd = [sys.executable, __file__, "--worker", kind, "--model-dir", model_dir, "--steps", str(steps)]
+    cmd += ["--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 timed steps per side instead of 5")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per side (after one warm-up)")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="interleaved worker pairs (default 1 quick, 2 full)"
+    )
+    ap.add_argument("--trl-default", action="store_true", help="also time TRL with its default checkpointing")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per side")
+    ap.add_argument("--model", default="smollm2-135m", help="model name or folder")
+    ap.add_argument(
+        "--cache-dir", default=os.environ.get("RLPROXY_CACHE_DIR") or str(ROOT / ".cache" / "rlproxy")
+    )
+    ap.add_argument("--worker", choices=["ours", "trl", "trl-default", "swap"], help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    steps = a.steps or (2 if a.quick else 4)
+    a.rounds = a.rounds or (1 if a.quick else 2)
+
+    if a.worker:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        torch.manual_seed(0)
+        work = {
+            "ours": worker_ours,
+            "trl": worker_trl,
+            "trl-default": lambda d, n: worker_trl(d, n, checkpointing=True),
+            "swap": worker_swap,
+        }[a.worker]
+        out = work(a.model_dir, steps)
+        out["peak_rss_mb"] = peak_rss_mb()
+        print(json.dumps(out))
+        return
+
+    from rlproxy.inference.models import resolve_model
+
+    model_dir = resolve_model(a.model, cache_dir=a.cache_dir)
+    print(__doc__.split("\n\n", 2)[2].strip())
+    print(f"\nmodel {a.model} ({model_dir}), {a.threads} torch threads, {steps} timed steps per side\n")
+    tokens = B * (PROMPT_LEN + COMPLETION_LEN)
+    kinds = ("ours", "trl", "trl-default") if a.trl_default else ("ours", "trl")
+    res: dict[str, list[dict]] = {k: [] for k in kinds}
+    for _ in range(a.rounds):  # interleaved, so a busy machine slows both sides alike
+        for kind in kinds:
+            res[kind].append(run_worker(kind, model_dir, steps, a.threads))
+    summary = {}
+    for kind, runs in res.items():
+        times = [t for r in runs for t in r["times"]]
+        cpu = [t for r in runs for t in r["cpu"]]
+        rss = max(r["peak_rss_mb"] for r in runs)
+        med, cpu_med = statistics.median(times), statistics.median(cpu)
+        summary[kind] = (tokens / med, tokens / cpu_med, rss)
+        steps_s = ", ".join(f"{t:.2f}" for t in times)
+        print(f"{kind:>11}: {tokens / med:7.1f} tokens/s (median step {med:.2f} s: {steps_s})")
+        print(f"{'':>13}{tokens / cpu_med:7.1f} tokens per CPU-second   peak RSS {rss:.0f} MB")
+    (o_wall, o_cpu, o_rss), (t_wall, t_cpu, t_rss) = summary["ours"], summary["trl"]
+    print(
+        f"\nrlproxy / TRL: {o_wall / t_wall:.2f}x tokens/s, "
+        f"{o_cpu / t_cpu:.2f}x tokens per CPU-second (goal >= 1.5x)"
+    )
+    print(f"peak RSS rlproxy / TRL: {o_rss:.0f} / {t_rss:.0f} MB = {o_rss / t_rss:.2f}x")
+    if "trl-default" in summary:
+        d_wall, d_cpu, d_rss = summary["trl-default"]
+        print(
+            f"vs TRL as shipped (gradient checkpointing on): {o_wall / d_wall:.2f}x tokens/s, "
+            f"{o_cpu / d_cpu:.2f}x tokens per CPU-second, peak RSS {o_rss:.0f} / {d_rss:.0f} MB"
+        )
+    swap = run_worker("swap", model_dir, steps, a.threads)["times"]
+    print(
+        f"\nswap latency, embedded engine (adapter saved -> load_adapter -> first response, 1 token): "
+        f"median {statistics.median(swap):.3f} s over {len(swap)} swaps (goal <= 1 s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

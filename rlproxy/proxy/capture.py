@@ -1,0 +1,263 @@
+"""Transparent capture: ask the upstream for exact tokens, keep them, hand the client what it asked for.
+
+To train on the tokens the model really sampled, the proxy needs vLLM's `return_token_ids` (top-level
+`prompt_token_ids` — per choice on /v1/completions — and per-choice `token_ids`) and the sampling
+`logprobs` (chat: `choice.logprobs.content[i].logprob`; completions: `choice.logprobs.token_logprobs`).
+When the client did not ask for them they are injected upstream and stripped from what it receives:
+a stripped field is set back to `null`, which is exactly what vLLM sends when it was not asked (it
+serializes unrequested fields as explicit nulls, in streams too). Only those fields are touched.
+
+Streams are assembled chunk by chunk into the non-streaming shape for the store (text, tool-call
+deltas, token ids, logprobs, finish reason, usage), while the chunks themselves go on to the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CHAT = "chat.completions"
+COMPLETIONS = "completions"
+
+
+@dataclass(slots=True)
+class Injected:
+    """Which capture fields the proxy added to the upstream request (and so must strip)."""
+
+    token_ids: bool = False
+    logprobs: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.token_ids or self.logprobs
+
+
+def inject(body: dict, endpoint: str) -> Injected:
+    """Add `return_token_ids` and sampling `logprobs` to the upstream `body` (in place) if absent."""
+    inj = Injected()
+    if body.get("return_token_ids") is not True:
+        body["return_token_ids"] = True
+        inj.token_ids = True
+    if endpoint == CHAT:
+        if body.get("logprobs") is not True:
+            body["logprobs"] = True
+            inj.logprobs = True
+    elif body.get("logprobs") is None:
+        body["logprobs"] = 0  # the sampled token's logprob only, no alternatives
+        inj.logprobs = True
+    return inj
+
+
+def _choice_logprobs(choice: dict, endpoint: str) -> list | None:
+    lp = choice.get("logprobs")
+    if not lp:
+        return None
+    if endpoint == CHAT:
+        content = lp.get("content")
+        return [e.get("logprob") for e in content] if content is not None else None
+    return lp.get("token_logprobs")
+
+
+def strip(obj: dict, inj: Injected) -> None:
+    """Set the injected fields of a response or stream chunk back to null (in place)."""
+    if inj.token_ids and "prompt_token_ids" in obj:
+        obj["prompt_token_ids"] = None
+    for choice in obj.get("choices") or ():
+        if inj.token_ids:
+            if "token_ids" in choice:
+                choice["token_ids"] = None
+            if "prompt_token_ids" in choice:
+                choice["prompt_token_ids"] = None
+        if inj.logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+
+
+@dataclass(slots=True)
+class Captured:
+    """What the store keeps of one response, besides the request."""
+
+    response: dict | None = None
+    prompt_token_ids: list | None = None
+    token_ids: list | None = None
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def from_response(resp: dict, endpoint: str, inj: Injected) -> Captured:
+    """Capture a non-streaming response, then strip it for the client (in place: it is also stored)."""
+    choices = resp.get("choices") or []
+    prompt_ids = resp.get("prompt_token_ids")
+    if prompt_ids is None and choices:
+        prompt_ids = choices[0].get("prompt_token_ids")
+    cap = Captured(
+        prompt_token_ids=prompt_ids,
+        token_ids=[c.get("token_ids") for c in choices],
+        logprobs=[_choice_logprobs(c, endpoint) for c in choices],
+        finish_reason=choices[0].get("finish_reason") if choices else None,
+    )
+    usage = resp.get("usage")
+    if isinstance(usage, dict):
+        cap.prompt_tokens = usage.get("prompt_tokens")
+        cap.completion_tokens = usage.get("completion_tokens")
+    if inj.any:
+        strip(resp, inj)
+    cap.response = resp
+    return cap
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    role: str | None = None
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    logprob_entries: list = field(default_factory=list)  # as the client asked for them (if it did)
+    finish_reason: str | None = None
+    stop_reason: object = None
+    prompt_token_ids: list | None = None
+
+
+class StreamAssembler:
+    """Fold the chunks of a stream into one stored response (chat or completions shape)."""
+
+    def __init__(self, endpoint: str, inj: Injected) -> None:
+        self.endpoint = endpoint
+        self.inj = inj
+        self.head: dict = {}
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_token_ids: list | None = None
+        self.usage: dict | None = None
+        self.got_token = False  # a chunk carrying generated text or tokens arrived (for ttft)
+
+    def feed(self, chunk: dict) -> None:
+        """Fold one parsed `data:` chunk in (before it is stripped for the client)."""
+        if not self.head:
+            self.head = {k: chunk.get(k) for k in ("id", "created", "model", "system_fingerprint")}
+        if chunk.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = chunk["prompt_token_ids"]
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for c in chunk.get("choices") or ():
+            idx = c.get("index", 0)
+            ch = self.choices.get(idx)
+            if ch is None:
+                ch = self.choices[idx] = _Choice(idx)
+            if c.get("prompt_token_ids") is not None and ch.prompt_token_ids is None:
+                ch.prompt_token_ids = c["prompt_token_ids"]
+            ids = c.get("token_ids")
+            if ids:
+                ch.token_ids.extend(ids)
+                self.got_token = True
+            lp = c.get("logprobs")
+            if lp:
+                if self.endpoint == CHAT:
+                    entries = lp.get("content") or ()
+                    ch.logprobs.extend(e.get("logprob") for e in entries)
+                    ch.logprob_entries.extend(entries)
+                else:
+                    ch.logprobs.extend(lp.get("token_logprobs") or ())
+                    ch.logprob_entries.append(lp)
+            if c.get("finish_reason") is not None:
+                ch.finish_reason = c["finish_reason"]
+            if c.get("stop_reason") is not None:
+                ch.stop_reason = c["stop_reason"]
+            if self.endpoint == CHAT:
+                self._delta(ch, c.get("delta") or {})
+            elif c.get("text"):
+                ch.text.append(c["text"])
+                self.got_token = True
+
+    def _delta(self, ch: _Choice, delta: dict) -> None:
+        if delta.get("role"):
+            ch.role = delta["role"]
+        if delta.get("content"):
+            ch.text.append(delta["content"])
+            self.got_token = True
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        if reasoning:
+            ch.reasoning.append(reasoning)
+        for tc in delta.get("tool_calls") or ():
+            i = tc.get("index", 0)
+            slot = ch.tool_calls.get(i)
+            if slot is None:
+                slot = ch.tool_calls[i] = {
+                    "id": None,
+                    "type": "function",
+                    "function": {"name": "", "arguments": ""},
+                }
+            if tc.get("id"):
+                slot["id"] = tc["id"]
+            if tc.get("type"):
+                slot["type"] = tc["type"]
+            fn = tc.get("function") or {}
+            if fn.get("name"):
+                slot["function"]["name"] += fn["name"]
+            if fn.get("arguments"):
+                slot["function"]["arguments"] += fn["arguments"]
+            self.got_token = True
+
+    def result(self) -> Captured:
+        """The assembled response and capture fields (a partial one if the stream was cut)."""
+        chat = self.endpoint == CHAT
+        choices = [self.choices[i] for i in sorted(self.choices)]
+        out = []
+        for ch in choices:
+            logprobs = None
+            if not self.inj.logprobs and ch.logprob_entries:
+                if chat:
+                    logprobs = {"content": ch.logprob_entries}
+                else:
+                    logprobs = _merge_completion_logprobs(ch.logprob_entries)
+            if chat:
+                message: dict = {"role": ch.role or "assistant", "content": "".join(ch.text)}
+                if ch.reasoning:
+                    message["reasoning_content"] = "".join(ch.reasoning)
+                if ch.tool_calls:
+                    message["tool_calls"] = [ch.tool_calls[i] for i in sorted(ch.tool_calls)]
+                item = {"index": ch.index, "message": message, "logprobs": logprobs}
+            else:
+                item = {"index": ch.index, "text": "".join(ch.text), "logprobs": logprobs}
+            item["finish_reason"] = ch.finish_reason
+            item["stop_reason"] = ch.stop_reason
+            if not self.inj.token_ids:
+                item["token_ids"] = ch.token_ids
+            out.append(item)
+        response = {
+            "id": self.head.get("id"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": self.head.get("created"),
+            "model": self.head.get("model"),
+            "choices": out,
+            "usage": self.usage,
+        }
+        prompt_ids = self.prompt_token_ids
+        if prompt_ids is None and choices:
+            prompt_ids = choices[0].prompt_token_ids
+        if not self.inj.token_ids and prompt_ids is not None:
+            response["prompt_token_ids"] = prompt_ids
+        cap = Captured(
+            response=response,
+            prompt_token_ids=prompt_ids,
+            token_ids=[ch.token_ids for ch in choices],
+            logprobs=[ch.logprobs for ch in choices],
+            finish_reason=choices[0].finish_reason if choices else None,
+        )
+        if self.usage:
+            cap.prompt_tokens = self.usage.get("prompt_tokens")
+            cap.completion_tokens = self.usage.get("completion_tokens")
+        else:  # no usage chunk unless the client asked for one: count the captured tokens
+            cap.prompt_tokens = len(prompt_ids) if prompt_ids is not None else None
+            cap.completion_tokens = sum(len(ch.token_ids) for ch in choices) if choices else None
+        return cap
+
+
+def _merge_completion_logprobs(parts: list[dict]) -> dict:
+    merged: dict = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for p in parts:
+        for key in merged:
+            merged[key].extend(p.get(key) or ())
+    return merged

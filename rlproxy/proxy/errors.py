@@ -1,0 +1,107 @@
+"""The one place errors become HTTP responses, always in OpenAI's error shape.
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+Caller mistakes are `APIError`s (they carry their status). Domain errors from `rlproxy.errors` are
+mapped here once: backend unreachable 502, backend timeout 504, unknown run 404, conflicting reward
+409, anything else of ours 500. FastAPI's own validation and routing errors are re-rendered in the
+same shape so a client's OpenAI SDK can always parse what it gets.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from rlproxy.errors import APIError, BackendTimeout, BackendUnavailable, RLProxyError
+
+logger = logging.getLogger(__name__)
+
+_JSON = "application/json"
+
+
+def error_body(
+    status: int, message: str, type: str | None = None, code: str | None = None, param=None
+) -> bytes:
+    """Serialized OpenAI error body; `type` defaults from the status (4xx caller, 5xx server)."""
+    if type is None:
+        type = "invalid_request_error" if status < 500 else "server_error"
+    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+def error_response(
+    status: int, message: str, type: str | None = None, code: str | None = None, param=None
+) -> Response:
+    """An OpenAI-shaped error response."""
+    return Response(error_body(status, message, type, code, param), status_code=status, media_type=_JSON)
+
+
+def status_of(exc: BaseException) -> int:
+    """HTTP status for an exception of our tree (or an APIError)."""
+    if isinstance(exc, APIError):
+        return exc.status
+    if isinstance(exc, BackendUnavailable):
+        return 502
+    if isinstance(exc, BackendTimeout):
+        return 504
+    name = type(exc).__name__
+    if name == "RunNotFound":  # storage's error; matched by name to keep this module import-light
+        return 404
+    if name == "RewardConflict":
+        return 409
+    return 500
+
+
+def render(exc: BaseException) -> Response:
+    """The response for any exception we raise on purpose."""
+    if isinstance(exc, APIError):
+        return Response(orjson.dumps(exc.body()), status_code=exc.status, media_type=_JSON)
+    status = status_of(exc)
+    code = {502: "upstream_unavailable", 504: "upstream_timeout", 404: "not_found", 409: "conflict"}.get(
+        status
+    )
+    return error_response(status, str(exc) or type(exc).__name__, code=code)
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers on `app` (once, in create_app)."""
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        return render(exc)
+
+    async def on_domain_error(request: Request, exc: Exception) -> Response:
+        if status_of(exc) >= 500:
+            logger.warning("%s %s failed: %s", request.method, request.url.path, exc)
+        return render(exc)
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request"))
+        return error_response(422, message, param=param, code="invalid_value")
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return Response(
+            error_body(exc.status_code, str(exc.detail)),
+            status_code=exc.status_code,
+            media_type=_JSON,
+            headers=getattr(exc, "headers", None),
+        )
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RLProxyError, on_domain_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

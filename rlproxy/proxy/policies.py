@@ -1,0 +1,136 @@
+"""Policy routing: which model the upstream serves for a request's `model`.
+
+A policy is a name the app uses for "the model I'm training": the backend's base model name (the
+default policy), any policy named in the model map, or any policy with a published step. The
+proxy rewrites `model` to the current adapter `{policy}@{step}` (the base model before step 1).
+`{policy}@{step}` in the request pins a step. The model map (`gpt-4o-mini=agent,*=agent`) serves apps
+that hard-code another model name. Any other name is a 404 here, with a message saying how to map
+it, rather than a round trip that the upstream would answer with a less helpful 404.
+
+Steps move forward in three ways: the in-process trainer calls `set_step` after it publishes, a
+poll of `training_steps` picks up steps published by a separate `rlproxy train` process, and on
+start the newest adapter of each policy is loaded into the (possibly fresh) backend again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from rlproxy.errors import APIError, RLProxyError
+
+logger = logging.getLogger(__name__)
+
+
+def parse_model_map(spec: str) -> dict[str, str]:
+    """`"a=p,b=q,*=p"` -> {"a": "p", "b": "q", "*": "p"}; raises ValueError on a malformed entry."""
+    out: dict[str, str] = {}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, policy = item.partition("=")
+        if not sep or not name.strip() or not policy.strip():
+            raise ValueError(f"model map entry {item!r} is not name=policy")
+        out[name.strip()] = policy.strip()
+    return out
+
+
+class Policies:
+    """The current step of every policy, and the rewrite of a request's `model`."""
+
+    def __init__(self, base_model: str, model_map: str = "") -> None:
+        self.base_model = base_model
+        self.default = base_model
+        self.model_map = parse_model_map(model_map)
+        self.steps: dict[str, int] = {}
+        self._known = {base_model, *self.model_map.values()}
+
+    def set_base(self, base_model: str) -> None:
+        """The backend's base model name, known once it started (it is also the default policy)."""
+        self._known.discard(self.base_model)
+        self.base_model = self.default = base_model
+        self._known.add(base_model)
+
+    def known(self, policy: str) -> bool:
+        """Whether `policy` names a policy this proxy serves."""
+        return policy in self._known or policy in self.steps
+
+    def step(self, policy: str) -> int:
+        """Current step of `policy` (0 = base model)."""
+        return self.steps.get(policy, 0)
+
+    def upstream_model(self, policy: str, step: int) -> str:
+        """The model name the upstream serves for `policy` at `step`."""
+        return f"{policy}@{step}" if step > 0 else self.base_model
+
+    def resolve(self, model: object) -> tuple[str, int, str]:
+        """(policy, step, upstream model) for a request's `model`; APIError 404 if it names nothing."""
+        if model is None:
+            policy = self.default
+        elif not isinstance(model, str):
+            raise APIError(422, "model: must be a string", param="model", code="invalid_type")
+        else:
+            mapped = self.model_map.get(model)
+            if mapped is not None:
+                policy = mapped
+            elif self.known(model):
+                policy = model
+            else:
+                name, at, num = model.rpartition("@")
+                if at and num.isdigit() and self.known(name):
+                    step = int(num)
+                    return name, step, self.upstream_model(name, step)
+                policy = self.model_map.get("*")  # type: ignore[assignment]
+                if policy is None:
+                    raise APIError(
+                        404,
+                        f"The model `{model}` does not exist. This proxy serves the policies "
+                        f"{sorted(self._known | set(self.steps))}; to serve an app that asks for "
+                        f"`{model}`, set RLPROXY_MODEL_MAP='{model}=<policy>' (or '*=<policy>').",
+                        type="invalid_request_error",
+                        param="model",
+                        code="model_not_found",
+                    )
+        step = self.steps.get(policy, 0)
+        return policy, step, self.upstream_model(policy, step)
+
+    async def set_step(self, policy: str, step: int) -> None:
+        """Serve `policy@step` from now on (the trainer calls this after publishing)."""
+        if step != self.steps.get(policy):
+            logger.info("policy %s now serves step %d", policy, step)
+        self.steps[policy] = step
+
+    def advance(self, latest: dict[str, tuple[int, str]]) -> None:
+        """Move each policy forward to the newest step in `latest` (policy -> (step, path))."""
+        for policy, (step, _path) in latest.items():
+            if step > self.steps.get(policy, 0):
+                logger.info("policy %s now serves step %d (published by another process)", policy, step)
+                self.steps[policy] = step
+
+    async def reload(self, backend, engine) -> None:
+        """Load each policy's newest adapter into `backend` and serve it (after a restart)."""
+        from rlproxy.storage import queries
+
+        latest = await queries.latest_adapters(engine)
+        for policy, (step, path) in latest.items():
+            try:
+                await backend.load_adapter(f"{policy}@{step}", path)
+            except (RLProxyError, OSError) as exc:
+                logger.warning("could not re-load adapter %s@%d from %s: %s", policy, step, path, exc)
+                continue
+            self.steps[policy] = step
+            logger.info("re-loaded adapter %s@%d from %s", policy, step, path)
+
+    async def poll(self, engine, interval: float = 1.0) -> None:
+        """Forever: pick up steps published by another process (run as a lifespan task)."""
+        from rlproxy.storage import queries
+
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.advance(await queries.latest_adapters(engine))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a locked or briefly unreachable DB must not end the poll
+                logger.debug("policy poll failed: %s", exc)

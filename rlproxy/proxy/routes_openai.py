@@ -1,0 +1,235 @@
+"""The OpenAI routes: forward, capture, route to the policy's adapter; plus the pass-through.
+
+`POST /v1/chat/completions` and `POST /v1/completions` (also under `/runs/{run_id}/v1/...`) are the
+hot path, served by `HotPath`, a pure ASGI app in front of FastAPI's router: the body is read as
+raw bytes and checked by hand (no pydantic model), rewritten for the upstream (model ->
+`{policy}@{step}`, capture fields injected), forwarded over `http11.Pool`, and answered with what
+the upstream said minus the injected fields, plus `X-Policy-Step`. A non-streaming completion is
+submitted to the writer just before its response is sent (`submit` only enqueues); a stream's after
+its last chunk. Every other `/v1/*` path goes through FastAPI and is relayed untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from rlproxy.errors import APIError, RLProxyError
+from rlproxy.proxy import capture, errors, forward, runkey, validate
+from rlproxy.proxy.stream import StreamRelay
+from rlproxy.storage.records import CompletionRecord
+
+logger = logging.getLogger(__name__)
+
+_PATHS = {"chat.completions": b"/v1/chat/completions", "completions": b"/v1/completions"}
+_ENDPOINTS = {"v1/chat/completions": "chat.completions", "v1/completions": "completions"}
+_DROP = forward.HOP_BY_HOP | {b"server", b"date", b"content-encoding"}
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v
+    return None
+
+
+class HotPath:
+    """ASGI: serve the completion routes directly, hand everything else to `app` (FastAPI)."""
+
+    def __init__(self, app, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            endpoint, run_id = None, None
+            if path.startswith("/v1/"):
+                endpoint = _ENDPOINTS.get(path[1:])
+            elif path.startswith("/runs/"):
+                _, _, rest = path.partition("/runs/")
+                run_id, _, tail = rest.partition("/")
+                endpoint = _ENDPOINTS.get(tail)
+            if endpoint is not None:
+                try:
+                    response = await complete(self.state, scope, receive, endpoint, run_id)
+                except validate.ClientGone:
+                    return
+                except (APIError, RLProxyError) as exc:
+                    response = errors.render(exc)
+                except Exception as exc:  # never let a bug take the connection down without an answer
+                    logger.exception("unhandled error on POST %s", path)
+                    response = errors.error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def complete(px, scope, receive, endpoint: str, path_run_id: str | None) -> Response:
+    """Forward one completion request and capture it (see the module doc)."""
+    started = time.perf_counter()
+    created_at = datetime.now(UTC)
+    run_id = group_id = declared = None
+    for k, v in scope["headers"]:
+        if k == b"x-run-id":
+            run_id = v.decode("latin-1")
+        elif k == b"x-group-id":
+            group_id = v.decode("latin-1")
+        elif k == b"content-length":
+            declared = v
+    if path_run_id is not None:
+        run_id = path_run_id
+    raw = await validate.read_body(receive, declared, px.settings.max_body_bytes)
+    body = validate.parse_body(raw)
+    validate.check(body, endpoint)
+    if run_id is not None:
+        runkey.check_id(run_id)
+    if group_id is not None:
+        runkey.check_id(group_id, "group id")
+    if not px.gate.is_open:
+        await px.gate.wait()
+    policy, step, upstream_model = px.policies.resolve(body.get("model"))
+
+    upstream_body = dict(body)
+    upstream_body["model"] = upstream_model
+    inj = capture.inject(upstream_body, endpoint)
+    stream = upstream_body.get("stream") is True
+    rec = CompletionRecord(
+        run_id=run_id,
+        group_id=group_id,
+        default_group=runkey.default_group(policy, body) if run_id is not None and group_id is None else None,
+        policy=policy,
+        adapter=upstream_model,
+        policy_step=step,
+        endpoint=endpoint,
+        stream=stream,
+        request=body,
+        created_at=created_at,
+    )
+    if run_id is not None:
+        px.inflight.enter(run_id)
+    handed_off = False
+    try:
+        headers = forward.request_headers(scope["headers"], px.drop_headers, identity=True)
+        resp = await px.upstream.post(
+            _PATHS[endpoint], headers, orjson.dumps(upstream_body), scope["query_string"], stream
+        )
+        step_header = (b"x-policy-step", str(step).encode())
+        if stream:
+            ctype = resp.header(b"content-type") or b""
+            if resp.status_code == 200 and ctype.startswith(b"text/event-stream"):
+                handed_off = True
+                return _relay(px, resp, rec, inj, started, step_header)
+            try:
+                resp.content = await resp.read()
+            finally:
+                resp.close()
+        return _answer(px, resp, rec, inj, started, step_header)
+    except RLProxyError as exc:
+        rec.status = "error"
+        rec.status_code = errors.status_of(exc)
+        rec.error = str(exc)
+        rec.latency_ms = (time.perf_counter() - started) * 1000.0
+        px.writer.submit(rec)
+        px.metrics.observe(endpoint, f"upstream_{rec.status_code}", rec.latency_ms / 1000.0)
+        raise
+    finally:
+        if run_id is not None and not handed_off:
+            px.inflight.leave(run_id)
+
+
+def _answer(px, resp, rec: CompletionRecord, inj: capture.Injected, started: float, step_header) -> Response:
+    """A non-streaming answer: capture, strip, submit, respond."""
+    content = resp.content
+    rec.status_code = resp.status_code
+    parsed = None
+    try:
+        parsed = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        pass
+    if resp.status_code == 200 and isinstance(parsed, dict):
+        cap = capture.from_response(parsed, rec.endpoint, inj)
+        if inj.any:
+            content = orjson.dumps(parsed)
+        _fill(rec, cap)
+        rec.status = "ok"
+        outcome = "ok"
+    else:
+        rec.status = "error"
+        rec.response = parsed if isinstance(parsed, dict) else None
+        rec.error = content.decode("utf-8", "replace")[:4000]
+        outcome = f"upstream_{resp.status_code}"
+    rec.latency_ms = (time.perf_counter() - started) * 1000.0
+    px.writer.submit(rec)
+    px.metrics.observe(rec.endpoint, outcome, rec.latency_ms / 1000.0)
+    response = Response(content, status_code=resp.status_code)
+    response.raw_headers = [
+        *forward.response_headers(resp.headers, _DROP),
+        (b"content-length", str(len(content)).encode()),
+        step_header,
+    ]
+    return response
+
+
+def _fill(rec: CompletionRecord, cap: capture.Captured) -> None:
+    rec.response = cap.response
+    rec.prompt_token_ids = cap.prompt_token_ids
+    rec.token_ids = cap.token_ids
+    rec.logprobs = cap.logprobs
+    rec.finish_reason = cap.finish_reason
+    rec.prompt_tokens = cap.prompt_tokens
+    rec.completion_tokens = cap.completion_tokens
+
+
+def _relay(
+    px, resp, rec: CompletionRecord, inj: capture.Injected, started: float, step_header
+) -> StreamRelay:
+    """A streaming answer: relay while assembling; store when it ends (however it ends)."""
+    assembler = capture.StreamAssembler(rec.endpoint, inj)
+
+    def done(status: str, error: str | None, ttft: float | None) -> None:
+        try:
+            _fill(rec, assembler.result())
+            rec.status = status
+            rec.status_code = resp.status_code if status != "cancelled" else 499
+            rec.error = (
+                error if error is not None else ("client disconnected" if status == "cancelled" else None)
+            )
+            rec.latency_ms = (time.perf_counter() - started) * 1000.0
+            rec.ttft_ms = ttft * 1000.0 if ttft is not None else None
+            px.writer.submit(rec)
+            px.metrics.observe(rec.endpoint, status, rec.latency_ms / 1000.0, ttft)
+        finally:
+            if rec.run_id is not None:
+                px.inflight.leave(rec.run_id)
+
+    headers = forward.response_headers(resp.headers, _DROP)
+    headers.append(step_header)
+    return StreamRelay(resp, headers, assembler, inj, started, done)
+
+
+async def _pass(request: Request, path: str) -> Response:
+    px = request.app.state.proxy
+    return await px.upstream.relay(request, "/v1/" + path, px.drop_headers)
+
+
+passthrough = APIRouter()
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+
+
+@passthrough.api_route("/v1/{path:path}", methods=_METHODS, include_in_schema=False)
+async def v1_any(request: Request, path: str) -> Response:
+    """Any other OpenAI-style path, relayed untouched."""
+    return await _pass(request, path)
+
+
+@passthrough.api_route("/runs/{run_id}/v1/{path:path}", methods=_METHODS, include_in_schema=False)
+async def run_v1_any(request: Request, run_id: str, path: str) -> Response:
+    """The same under a run prefix (the run id is checked, then dropped)."""
+    runkey.check_id(run_id)
+    return await _pass(request, path)

@@ -1,0 +1,160 @@
+"""Rewards and the read side: runs, training steps, health and metrics.
+
+`POST /v1/runs/{run_id}/reward` first waits until no request of that run is still on its way to the
+writer (a stream is submitted after its last chunk, so the client can be quicker), then lets the
+writer store it: the writer commits the run's completions before the reward. Outcomes: stored 200,
+the same reward again 200 (`"stored": false`), unknown run 404, a different reward 409, a missing
+or non-finite reward 422.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from rlproxy.errors import APIError
+from rlproxy.proxy import runkey, validate
+
+router = APIRouter()
+
+_JSON = "application/json"
+
+
+def _json(obj, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS), status_code=status, media_type=_JSON)
+
+
+def _number(value, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise APIError(422, f"{field}: must be a number", param=field, code="invalid_type")
+    value = float(value)
+    if not math.isfinite(value):
+        raise APIError(422, f"{field}: must be finite", param=field, code="invalid_value")
+    return value
+
+
+def parse_reward(body: dict) -> tuple[float, dict | None, dict | None]:
+    """(reward, metrics, metadata) of a reward body; 422 for a missing/non-finite reward or bad types."""
+    if "reward" not in body or body["reward"] is None:
+        raise APIError(422, "reward: required (a finite number)", param="reward", code="missing")
+    reward = _number(body["reward"], "reward")
+    metrics = body.get("metrics")
+    if metrics is not None:
+        if not isinstance(metrics, dict):
+            raise APIError(422, "metrics: must be an object of numbers", param="metrics", code="invalid_type")
+        metrics = {str(k): _number(v, f"metrics.{k}") for k, v in metrics.items()}
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise APIError(422, "metadata: must be an object", param="metadata", code="invalid_type")
+    return reward, metrics, metadata
+
+
+@router.post("/v1/runs/{run_id}/reward")
+async def post_reward(request: Request, run_id: str) -> Response:
+    """Store the reward of a finished run."""
+    px = request.app.state.proxy
+    runkey.check_id(run_id)
+    # orjson rejects NaN/Infinity literals as invalid JSON; accept them so they get the 422 they deserve
+    declared = request.headers.get("content-length")
+    raw = await validate.read_body(
+        request.receive, declared.encode() if declared else None, px.settings.max_body_bytes
+    )
+    try:
+        body = validate.parse_body(raw)
+    except APIError:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise APIError(
+                400, "We could not parse the JSON body of your request.", code="invalid_json"
+            ) from None
+        if not isinstance(body, dict):
+            raise APIError(422, "the request body must be a JSON object", code="invalid_type") from None
+    reward, metrics, metadata = parse_reward(body)
+    await px.inflight.wait_idle(run_id, px.settings.upstream_timeout)
+    stored = await px.writer.reward(run_id, reward, metrics, metadata)
+    return _json({"run_id": run_id, "reward": reward, "stored": stored})
+
+
+@router.get("/v1/runs")
+async def list_runs(
+    request: Request,
+    status: str | None = None,
+    group_id: str | None = None,
+    limit: int = 50,
+    cursor: str | None = None,
+) -> Response:
+    """Recent runs, newest first; pass `next_cursor` back as `cursor` for the next page."""
+    from rlproxy.storage import queries
+
+    if not 1 <= limit <= 1000:
+        raise APIError(422, "limit: must be between 1 and 1000", param="limit", code="invalid_value")
+    px = request.app.state.proxy
+    try:
+        runs, next_cursor = await queries.list_runs(
+            px.engine, status=status, group_id=group_id, limit=limit, cursor=cursor
+        )
+    except ValueError as exc:
+        raise APIError(422, f"cursor: {exc}", param="cursor", code="invalid_value") from None
+    return _json({"object": "list", "data": runs, "next_cursor": next_cursor})
+
+
+@router.get("/v1/runs/stats")
+async def run_stats(request: Request) -> Response:
+    """Runs per status (the dashboard's counters)."""
+    from rlproxy.storage import queries
+
+    counts = await queries.run_status_counts(request.app.state.proxy.engine)
+    return _json({"object": "run_stats", "by_status": counts, "total": sum(counts.values())})
+
+
+@router.get("/v1/runs/{run_id}")
+async def get_run(request: Request, run_id: str) -> Response:
+    """One run with its completions in order and its messages."""
+    from rlproxy.storage import queries
+
+    runkey.check_id(run_id)
+    run = await queries.get_run(request.app.state.proxy.engine, run_id)
+    if run is None:
+        raise APIError(404, f"run {run_id!r} not found", code="not_found")
+    return _json(run)
+
+
+@router.get("/v1/training/steps")
+async def training_steps(request: Request, policy: str | None = None, limit: int = 100) -> Response:
+    """Training steps, newest first."""
+    from rlproxy.storage import queries
+
+    px = request.app.state.proxy
+    steps = await queries.list_training_steps(px.engine, policy=policy, limit=limit)
+    return _json({"object": "list", "data": steps, "policies": px.policies.steps})
+
+
+@router.get("/healthz")
+async def healthz(request: Request) -> Response:
+    """200 when the proxy and its upstream answer; 503 (with the reason) when the upstream does not."""
+    px = request.app.state.proxy
+    try:
+        ok = await px.backend.health()
+    except Exception:
+        ok = False
+    body = {
+        "status": "ok" if ok else "upstream_unhealthy",
+        "upstream": px.upstream.base_url,
+        "policies": {p: px.policies.step(p) for p in sorted({px.policies.default, *px.policies.steps})},
+        "write_queue_depth": px.writer.depth,
+    }
+    return _json(body, 200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format."""
+    px = request.app.state.proxy
+    for policy, step in px.policies.steps.items():
+        px.metrics.policy_step.labels(policy).set(step)
+    return Response(px.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,46 @@
+"""The run key of a request: which episode (run) and group a completion belongs to.
+
+A run is named by the `X-Run-Id` header or by the path prefix `/runs/{run_id}/v1/...` (for apps
+that can only set a base URL). `X-Group-Id` names the group explicitly; otherwise the store uses the
+default group of the run's first completion: a hash of (policy, tools, messages up to and including
+the first user message), so runs that start from the same task land in one group without any header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import orjson
+
+from rlproxy.errors import APIError
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def check_id(value: str, what: str = "run id") -> str:
+    """`value` if it is 1-128 chars of [A-Za-z0-9._:-], else a 400 APIError saying so."""
+    if RUN_ID_PATTERN.fullmatch(value) is None:
+        raise APIError(
+            400,
+            f"invalid {what} {value[:140]!r}: use 1-128 characters of A-Z a-z 0-9 . _ : -",
+            param=what.replace(" ", "_"),
+            code="invalid_run_id",
+        )
+    return value
+
+
+def default_group(policy: str | None, body: dict) -> str:
+    """Hash of (policy, tools, messages up to the first user message) — or the prompt for completions."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        head = []
+        for m in messages:
+            head.append(m)
+            if isinstance(m, dict) and m.get("role") == "user":
+                break
+        key = [policy, body.get("tools"), head]
+    else:
+        key = [policy, None, body.get("prompt")]
+    digest = hashlib.sha256(orjson.dumps(key, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return f"g-{digest[:16]}"

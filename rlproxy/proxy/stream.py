@@ -1,0 +1,176 @@
+"""Relaying a server-sent-event stream to the client while capturing it.
+
+Bytes go to the client as they arrive: when nothing was injected the upstream's bytes are sent
+untouched; when capture fields were injected each complete `data:` event is re-serialized without
+them (a partial event waits for its end, never longer). Every event is also folded into a
+`StreamAssembler` for the store.
+
+The relay races the stream against the client's `http.disconnect`: a client that goes away cancels
+the relay task, which closes the upstream response (so the upstream aborts the generation) and
+stores the partial completion with status `cancelled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import orjson
+from starlette.responses import Response
+
+from rlproxy.proxy.capture import Injected, StreamAssembler, strip
+
+logger = logging.getLogger(__name__)
+
+
+class _UpstreamBroke(Exception):
+    """The upstream connection failed in the middle of a stream."""
+
+
+class StreamRelay(Response):
+    """An ASGI response that relays `upstream` (an open `http11.Response`) and reports how it ended."""
+
+    def __init__(
+        self,
+        upstream,  # http11.Response, headers read
+        headers: list[tuple[bytes, bytes]],
+        assembler: StreamAssembler,
+        inj: Injected,
+        started: float,
+        done: Callable[[str, str | None, float | None], None],
+    ) -> None:
+        self.upstream = upstream
+        self.status_code = upstream.status_code
+        self.background = None
+        self.raw_headers = headers
+        self.assembler = assembler
+        self.inj = inj
+        self.started = started
+        self.done = done  # (status, error, ttft seconds) -> None; stores the record
+        self.ttft: float | None = None
+        self.error: str | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        state = {"finished": False, "disconnected": False}
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not state["finished"]:
+                        state["disconnected"] = True
+                        task.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        status = "ok"
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.upstream.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            await self._relay(send)
+        except asyncio.CancelledError:
+            if not state["disconnected"]:
+                raise
+            task.uncancel()
+            status = "cancelled"
+        except _UpstreamBroke as exc:
+            status = "error"
+            self.error = f"upstream stream broke: {exc!r}"
+            logger.warning("%s", self.error)
+        except OSError:  # the server noticed the client's disconnect on write first
+            status = "cancelled"
+        finally:
+            state["finished"] = True
+            watcher.cancel()
+            self.upstream.close()  # a cut stream closes the upstream connection: the upstream aborts
+            if status == "ok" and self.error is not None:
+                status = "error"
+            self.done(status, self.error, self.ttft)
+
+    async def _relay(self, send) -> None:
+        """Relay until the upstream's body ends; the last write also ends the response (one syscall)."""
+        buf = b""
+        rewrite = self.inj.any
+        upstream = self.upstream
+        while True:
+            try:
+                data = await upstream.next_chunk()
+            except OSError as exc:  # the upstream dropped the connection mid-stream
+                raise _UpstreamBroke(str(exc) or type(exc).__name__) from exc
+            if data is None:
+                break
+            buf += data
+            out: list[bytes] = []
+            while True:
+                end = buf.find(b"\n\n")
+                if end < 0:
+                    break
+                event, buf = buf[:end], buf[end + 2 :]
+                out.append(self._event(event, rewrite))
+            last = upstream.finished and not buf.strip()
+            body = b"".join(out) if rewrite else data
+            if body or last:
+                await send({"type": "http.response.body", "body": body, "more_body": not last})
+            if last:
+                return
+        tail = self._event(buf, rewrite) if buf.strip() else b""  # a last event without its blank line
+        await send({"type": "http.response.body", "body": tail if rewrite else b"", "more_body": False})
+
+    def _event(self, event: bytes, rewrite: bool) -> bytes:
+        """Fold one SSE event into the assembler; the bytes to send for it (when rewriting)."""
+        lines = event.split(b"\n")
+        for i, line in enumerate(lines):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]" or not payload:
+                continue
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(chunk, dict):
+                continue
+            if "error" in chunk and not chunk.get("choices"):
+                self.error = str(chunk["error"])
+            self.assembler.feed(chunk)
+            if self.ttft is None and self.assembler.got_token:
+                self.ttft = time.perf_counter() - self.started
+            if rewrite:
+                strip(chunk, self.inj)
+                if _empty(chunk):
+                    return b""
+                lines[i] = b"data: " + orjson.dumps(chunk)
+        return b"\n".join(lines) + b"\n\n" if rewrite else b""
+
+
+def _empty(chunk: dict) -> bool:
+    """A chunk that carried only the injected fields: the upstream would not have sent it at all.
+
+    vLLM (and the embedded engine) emit a chunk for every sampled token when token ids or logprobs
+    are requested, even one that adds no text (`"delta": {}`); without them it skips it. Dropping
+    such a chunk after stripping keeps the client's stream as it would have been.
+    """
+    if chunk.get("usage"):
+        return False
+    choices = chunk.get("choices")
+    if not choices:
+        return False
+    for c in choices:
+        if (
+            c.get("finish_reason") is not None
+            or c.get("logprobs") is not None
+            or c.get("token_ids") is not None
+        ):
+            return False
+        if c.get("text") or any(v for v in (c.get("delta") or {}).values()):
+            return False
+    return True

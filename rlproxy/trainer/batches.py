@@ -1,0 +1,229 @@
+"""Stored completions -> samples -> padded tensors for the policy's forward pass.
+
+Every choice of every completion of a run is one sample carrying the run's advantage. Its input is
+the exact prompt the server saw plus the tokens it sampled (`prompt_token_ids` + `token_ids`), and
+the loss covers only the sampled tokens. A completion stored without token ids (an upstream that
+cannot return them) is rebuilt from its request and reply with the chat template, and counted: that
+is a fallback, retokenized text is not what the model sampled. Samples longer than `max_seq_len` are
+cut at the end and counted; a prompt that alone fills `max_seq_len` leaves nothing to learn from and
+is dropped, and counted.
+
+Layout (like TRL's): prompts left-padded to P, completions right-padded to C, so every completion
+starts at column P and the model only needs logits for the last C + 1 positions. The samples of a
+group usually share their prompt token for token; each distinct prompt is also kept once
+(`prompt_ids`, `prompt_index`) so the model can run it once per micro-batch instead of once per
+sample (see model.token_logprobs).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlproxy.storage.training import CompletionData, RunData
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    """One sampled completion to train on."""
+
+    run_id: str
+    advantage: float
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    old_logprobs: list[float]  # NaN where the sampling logprob is unknown (then the ratio is taken as 1)
+    policy_step: int = 0  # adapter step that sampled it (0 = base model)
+    rebuilt: bool = False
+    truncated: bool = False
+
+
+@dataclass
+class SampleCounts:
+    """What building the samples had to do; reported in the step's metrics under batch/."""
+
+    samples: int = 0
+    rebuilt: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    missing_logprobs: int = 0  # samples whose stored logprobs were absent or did not match the tokens
+    sampled_tokens: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"batch/{k}": float(v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class Batch:
+    """Padded tensors of a list of samples. B samples, P prompt columns, C completion columns."""
+
+    input_ids: Tensor  # (B, P + C)
+    attention_mask: Tensor  # (B, P + C)
+    position_ids: Tensor  # (B, P + C) counted from each sample's first real token
+    completion_ids: Tensor  # (B, C) the sampled tokens
+    mask: Tensor  # (B, C) 1.0 on sampled tokens
+    old_logp: Tensor  # (B, C) stored sampling logprobs, NaN where unknown
+    advantages: Tensor  # (B,)
+    samples: list[Sample] = field(default_factory=list)
+    prompt_ids: Tensor | None = None  # (U, P) the U distinct prompts, left-padded
+    prompt_mask: Tensor | None = None  # (U, P)
+    prompt_index: Tensor | None = None  # (B,) row of each sample's prompt in prompt_ids
+
+    @property
+    def shared_prompts(self) -> bool:
+        """True when some samples share a prompt (then running each prompt once saves work)."""
+        return self.prompt_ids is not None and self.prompt_ids.shape[0] < self.input_ids.shape[0]
+
+    @property
+    def completion_len(self) -> int:
+        return self.completion_ids.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum().item())
+
+
+def rebuild_with_template(tokenizer: Any, comp: CompletionData, choice: int) -> tuple[list[int], list[int]]:
+    """Prompt and completion token ids of a completion stored without them, via the chat template."""
+    request, response = comp.request or {}, comp.response or {}
+    choices = response.get("choices") or []
+    picked = choices[choice] if choice < len(choices) else {}
+    if "messages" in request:
+        tools = request.get("tools") or None
+        reply = dict(picked.get("message") or {"role": "assistant", "content": ""})
+        reply = {k: v for k, v in reply.items() if k in ("role", "content", "tool_calls", "name")}
+        reply["role"] = "assistant"
+        prompt_text = tokenizer.apply_chat_template(
+            request["messages"], tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        full_text = tokenizer.apply_chat_template(request["messages"] + [reply], tools=tools, tokenize=False)
+        if full_text.startswith(prompt_text):
+            completion_text = full_text[len(prompt_text) :].rstrip("\n")
+        else:  # a template that rewrites earlier turns: fall back to the reply's text
+            completion_text = reply.get("content") or ""
+    else:
+        prompt = request.get("prompt") or ""
+        prompt_text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
+        completion_text = picked.get("text") or ""
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return encode(prompt_text), encode(completion_text)
+
+
+def _old_logprobs(comp: CompletionData, choice: int, n: int) -> list[float] | None:
+    lps = (comp.logprobs or [None])[choice] if comp.logprobs and choice < len(comp.logprobs) else None
+    if lps is None or len(lps) != n:
+        return None
+    # orjson stores -inf as null: an unknown logprob, not a certain one
+    return [float(x) if x is not None and math.isfinite(float(x)) else math.nan for x in lps]
+
+
+def usable(comp: CompletionData) -> bool:
+    """True when a completion holds something the model sampled: token ids, or at least a reply."""
+    if comp.status == "error":
+        return False
+    if comp.prompt_token_ids is not None and any(comp.token_ids or []):
+        return True
+    return bool((comp.response or {}).get("choices"))
+
+
+def build_samples(
+    runs: list[RunData], advantages: dict[str, float], tokenizer: Any, max_seq_len: int
+) -> tuple[list[Sample], SampleCounts]:
+    """One sample per choice of every completion of every run, with the run's advantage."""
+    samples: list[Sample] = []
+    counts = SampleCounts()
+    for run in runs:
+        for comp in run.completions:
+            if not usable(comp):
+                continue
+            n_choices = max(len(comp.token_ids or []), len((comp.response or {}).get("choices") or []), 1)
+            for choice in range(n_choices):
+                tokens = comp.token_ids[choice] if comp.token_ids and choice < len(comp.token_ids) else None
+                if comp.prompt_token_ids is not None and tokens is not None:
+                    prompt, completion, rebuilt = list(comp.prompt_token_ids), list(tokens), False
+                    old = _old_logprobs(comp, choice, len(completion))
+                else:
+                    prompt, completion = rebuild_with_template(tokenizer, comp, choice)
+                    rebuilt, old = True, None
+                if not completion:
+                    continue  # nothing sampled (e.g. cancelled before the first token)
+                if old is None:
+                    counts.missing_logprobs += 1
+                    old = [math.nan] * len(completion)
+                truncated = len(prompt) + len(completion) > max_seq_len
+                if len(prompt) >= max_seq_len:
+                    counts.dropped += 1
+                    log.warning(
+                        "run %s: a prompt of %d tokens fills max_seq_len; sample dropped",
+                        run.run_id,
+                        len(prompt),
+                    )
+                    continue
+                if truncated:
+                    keep = max_seq_len - len(prompt)
+                    completion, old = completion[:keep], old[:keep]
+                samples.append(
+                    Sample(
+                        run_id=run.run_id,
+                        advantage=advantages[run.run_id],
+                        prompt_ids=prompt,
+                        completion_ids=completion,
+                        old_logprobs=old,
+                        policy_step=comp.policy_step or 0,
+                        rebuilt=rebuilt,
+                        truncated=truncated,
+                    )
+                )
+                counts.samples += 1
+                counts.rebuilt += rebuilt
+                counts.truncated += truncated
+                counts.sampled_tokens += len(completion)
+    return samples, counts
+
+
+def collate(samples: list[Sample], pad_id: int) -> Batch:
+    """Pad samples into one Batch: prompts left-padded, completions right-padded."""
+    B = len(samples)
+    P = max(len(s.prompt_ids) for s in samples)
+    C = max(len(s.completion_ids) for s in samples)
+    input_ids = torch.full((B, P + C), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + C), dtype=torch.long)
+    completion_ids = torch.full((B, C), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, C), dtype=torch.float32)
+    old_logp = torch.zeros((B, C), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[i, P - p : P] = torch.tensor(s.prompt_ids)
+        input_ids[i, P : P + c] = torch.tensor(s.completion_ids)
+        attention_mask[i, P - p : P + c] = 1
+        completion_ids[i, :c] = torch.tensor(s.completion_ids)
+        mask[i, :c] = 1.0
+        old_logp[i, :c] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P + C)
+    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    distinct = list(dict.fromkeys(tuple(s.prompt_ids) for s in samples))
+    row = {p: i for i, p in enumerate(distinct)}
+    prompt_index = torch.tensor([row[tuple(s.prompt_ids)] for s in samples])
+    prompt_ids = input_ids[:, :P][_first_rows(prompt_index, len(distinct))]  # (U, P)
+    prompt_mask = attention_mask[:, :P][_first_rows(prompt_index, len(distinct))]  # (U, P)
+    return Batch(
+        input_ids, attention_mask, position_ids, completion_ids, mask, old_logp, adv, samples,
+        prompt_ids, prompt_mask, prompt_index,
+    )  # fmt: skip
+
+
+def _first_rows(index: Tensor, n: int) -> Tensor:
+    """For each of the n distinct values of `index`, the first row holding it."""
+    return torch.tensor([int((index == u).nonzero()[0]) for u in range(n)])
+
+
+def micro_batches(samples: list[Sample], size: int, pad_id: int) -> list[Batch]:
+    """Samples sorted by length and cut into padded micro-batches of `size` (less padding, same math)."""
+    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids), reverse=True)
+    return [collate(ordered[i : i + size], pad_id) for i in range(0, len(ordered), size)]

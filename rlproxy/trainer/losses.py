@@ -1,0 +1,148 @@
+"""The GRPO math as pure functions: group-relative advantages and the clipped policy losses.
+
+Read top to bottom, like the papers:
+
+    advantages      A_i = (r_i - mean(r_group)) / (std(r_group) + eps)        (scale_rewards=group)
+    log-ratio       log rho_t = log pi(y_t) - log pi_old(y_t)        (pi_old: the stored sampling logprobs)
+    ratio           rho_t = exp(log rho_t)         gspo: rho = exp(mean_t log rho_t), one per sequence
+    surrogate       l_t = -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A)
+    KL (k3)         kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (Schulman's k3, >= 0)
+    per token       l_t + beta kl_t
+    aggregation     grpo    mean over sequences of the per-sequence token mean
+                    dr_grpo sum over all tokens / (sequences * max_len)  (max_len a constant: no length bias)
+                    dapo    mean over all tokens of the batch (long answers weigh by their length)
+                    gspo    mean over sequences (the ratio is already per sequence)
+
+Shapes: `B` sequences, `T` completion positions; `mask` is 1.0 on sampled tokens, 0.0 on padding.
+Nothing here knows about models, batches or storage; tests/trainer/test_losses.py checks exact numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+LossKind = Literal["grpo", "dr_grpo", "dapo", "gspo"]
+ADV_EPS = 1e-4  # TRL's epsilon: keeps A finite when a group's std is tiny
+ZERO_STD = 1e-6  # below this a group's rewards count as all equal
+
+
+def advantages(
+    rewards: Tensor, group_index: Tensor, scale_rewards: Literal["group", "none"] = "group"
+) -> tuple[Tensor, dict[str, float]]:
+    """Group-relative advantages for `rewards` (R,) where `group_index` (R,) numbers each run's group 0..G-1.
+
+    The std is the unbiased sample std of the group (TRL's choice). Returns the advantages (R,) and
+    reward/ metrics, including the fraction of groups whose rewards were all equal (they carry no gradient).
+    """
+    rewards = rewards.to(torch.float64)
+    num_groups = int(group_index.max().item()) + 1
+    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(rewards))
+    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, rewards) / count
+    centered = rewards - mean[group_index]  # (R,)
+    sq = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, centered**2)
+    std = (sq / (count - 1).clamp(min=1)).sqrt()  # (G,) unbiased
+    adv = centered / (std[group_index] + ADV_EPS) if scale_rewards == "group" else centered
+    metrics = {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "reward/group_std_mean": std.mean().item(),
+        "reward/frac_zero_std": (std < ZERO_STD).to(torch.float64).mean().item(),
+    }
+    return adv.to(torch.float32), metrics
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref): exp(d) - d - 1, d = ref - logp; unbiased, >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `x` over the positions where `mask` is 1 (along `dim`, or everything)."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    adv: Tensor,
+    mask: Tensor,
+    kind: LossKind = "grpo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    max_len: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The clipped surrogate loss of one batch and its metrics.
+
+    logp (B, T) current log-probs of the sampled tokens (with grad); old_logp (B, T) the sampling
+    log-probs stored with the completion; ref_logp (B, T) the base model's (only read when beta > 0);
+    adv (B,); mask (B, T). `max_len` is dr_grpo's constant normalizer (defaults to T).
+    The returned loss is the mean over *this* batch; `batch_weight` says how to sum micro-batches.
+    """
+    eps_low, eps_high = epsilon, epsilon if epsilon_high is None else epsilon_high
+    mask = mask.to(logp.dtype)
+    a = adv.to(logp.dtype).unsqueeze(1)  # (B, 1)
+
+    # log-ratio against the policy that sampled the tokens
+    log_ratio = (logp - old_logp) * mask  # (B, T), 0 on padding so exp() stays finite
+    if kind == "gspo":
+        # one ratio per sequence: the geometric mean of its token ratios (GSPO, Zheng et al. 2025)
+        log_ratio = masked_mean(log_ratio, mask, dim=1).unsqueeze(1)  # (B, 1)
+    ratio = torch.exp(log_ratio)
+
+    # clipped surrogate: never profit from moving the ratio outside [1 - eps_low, 1 + eps_high]
+    unclipped = ratio * a
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a
+    per_token = -torch.min(unclipped, clipped)  # (B, T) or (B, 1) for gspo
+
+    # KL penalty towards the base model (k3), per token
+    kl = k3_kl(logp, ref_logp) if (beta > 0 and ref_logp is not None) else None
+    if kl is not None:
+        per_token = per_token + beta * kl
+
+    # aggregation: the one place the four losses differ
+    per_token = per_token.expand_as(logp)
+    if kind in ("grpo", "gspo"):
+        loss = masked_mean(per_token, mask, dim=1).mean()
+    elif kind == "dr_grpo":
+        loss = (per_token * mask).sum() / (logp.shape[0] * (max_len or logp.shape[1]))
+    elif kind == "dapo":
+        loss = masked_mean(per_token, mask)
+    else:
+        raise ValueError(f"unknown loss kind {kind!r}; use grpo, dr_grpo, dapo or gspo")
+
+    # metrics (token-weighted; cleanrl's approx KL = E[(rho - 1) - log rho])
+    with torch.no_grad():
+        r = ratio.expand_as(logp)
+        lr = log_ratio.expand_as(logp)
+        low = ((r < 1 - eps_low) & (a < 0)).to(logp.dtype)
+        high = ((r > 1 + eps_high) & (a > 0)).to(logp.dtype)
+        metrics = {
+            "loss/policy": loss.item(),
+            "kl/approx": masked_mean((r - 1) - lr, mask).item(),
+            "clip/low_frac": masked_mean(low, mask).item(),
+            "clip/high_frac": masked_mean(high, mask).item(),
+            "clip/frac": masked_mean(torch.maximum(low, high), mask).item(),
+            "clip/ratio_mean": masked_mean(r, mask).item(),
+        }
+        if kl is not None:
+            metrics["kl/ref"] = masked_mean(kl, mask).item()
+    return loss, metrics
+
+
+def batch_weight(kind: LossKind, mask: Tensor, total_seqs: int, total_tokens: int) -> float:
+    """Weight of a micro-batch's loss so the accumulated gradient equals the full batch's.
+
+    Each micro-batch's loss is a mean over itself; summing `weight * loss` over micro-batches gives the
+    mean over the whole step: by sequences for grpo, dr_grpo, gspo; by tokens for dapo.
+    """
+    if kind == "dapo":
+        return float(mask.sum().item()) / max(total_tokens, 1)
+    return mask.shape[0] / max(total_seqs, 1)

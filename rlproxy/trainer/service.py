@@ -1,0 +1,404 @@
+"""TrainerService: the background loop that turns ready groups into published adapters.
+
+    poll ──> select ready groups (skip zero-variance ones) ──> load their completions
+         ──> [trainer thread] train_step ──> save checkpoint ──> backend.load_adapter("{policy}@{N}")
+         ──> commit (runs trained + training_steps row, one transaction) ──> on_publish(policy, N)
+         ──> unload "{policy}@{N-K}" after unload_grace seconds
+
+All torch work runs in ONE worker thread (a single-thread executor), so the event loop that serves
+the proxy is never blocked by a forward pass, and steps never overlap.
+
+Crash safety: the checkpoint is saved before the commit. A process that dies in between leaves a
+checkpoint whose step the database does not know; the next start (and every poll) finds it and
+commits it from its saved trainer state, exactly once, since the commit only succeeds while the
+runs are still `completed`. A process that dies earlier leaves nothing: its runs stay `completed`
+and are trained again from the last committed weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any, TypeVar
+
+import torch
+
+from rlproxy.errors import AdapterError
+from rlproxy.inference.backend import Backend
+from rlproxy.storage.db import create_engine, upgrade_async
+from rlproxy.storage.models import RunStatus
+from rlproxy.storage.training import (
+    ReadyGroup,
+    RunData,
+    StepConflict,
+    commit_step,
+    latest_step,
+    load_runs,
+    mark_runs,
+    ready_groups,
+    skip_groups,
+)
+from rlproxy.trainer import checkpoint as ckpt
+from rlproxy.trainer.batches import usable
+from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.model import load_policy
+from rlproxy.trainer.step import StepResult, make_optimizer, train_step
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Learner:
+    """A policy's trainable state in memory: model + adapter, tokenizer, optimizer, and its step."""
+
+    policy: str
+    model: Any
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    step: int  # the step these weights are (0 = fresh adapter)
+
+
+def adapter_name(policy: str, step: int) -> str:
+    """The name an adapter is served under."""
+    return f"{policy}@{step}"
+
+
+def resolved_config(config: TrainerConfig) -> dict[str, Any]:
+    """The trainer's settings as JSON (only TrainerConfig fields: a Settings object may hold secrets)."""
+    return {k: getattr(config, k) for k in TrainerConfig.model_fields}
+
+
+class TrainerService:
+    """Trains LoRA adapters from rewarded runs and publishes them to `backend`."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        db_url: str,
+        backend: Backend,
+        on_publish: Callable[[str, int], Awaitable[None]] | None = None,
+        on_train_state: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.db_url = db_url
+        self.backend = backend
+        self.on_publish = on_publish
+        self.on_train_state = on_train_state
+        self._engine: Any = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._learners: dict[str, Learner] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()  # one step (or recovery) at a time
+        self._unloads: set[asyncio.Task[None]] = set()
+        self.steps_done = 0
+        self.last_metrics: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Recover a step a crash left uncommitted, then poll for ready groups in the background."""
+        await self.recover()
+        self._task = asyncio.create_task(self._loop(), name="rlproxy-trainer")
+
+    async def stop(self) -> None:
+        """Stop polling; a step in progress finishes first (torch cannot be interrupted safely)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        async with self._lock:  # wait for a step_once called from elsewhere
+            for t in list(self._unloads):
+                t.cancel()
+            if self._executor is not None:
+                await asyncio.to_thread(self._executor.shutdown, wait=True)
+                self._executor = None
+            if self._engine is not None:
+                await self._engine.dispose()
+                self._engine = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                metrics = await self.step_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("training step failed; trying again in %.1f s", self.config.poll_interval)
+                metrics = None
+            if metrics is None:
+                await asyncio.sleep(self.config.poll_interval)
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run torch work on the trainer thread (never on the event loop)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, "rlproxy-trainer", initializer=self._init_thread)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args, **kwargs))
+
+    def _init_thread(self) -> None:
+        if self.config.train_threads:
+            torch.set_num_threads(self.config.train_threads)
+
+    def _db(self) -> Any:
+        if self._engine is None:
+            self._engine = create_engine(self.db_url)
+        return self._engine
+
+    # ------------------------------------------------------------------ one step
+
+    async def step_once(self) -> dict[str, Any] | None:
+        """Train and publish one step if groups are ready; its metrics, or None when nothing was ready."""
+        async with self._lock:
+            await self._recover_locked()
+            engine = self._db()
+
+            # 1. select: ready groups of one policy; zero-variance groups are skipped, not trained
+            runs = await self._select_runs()
+            if not runs:
+                return None
+            policy = runs[0].policy
+            run_ids = [r.run_id for r in runs]
+            learner = await self._learner(policy)
+            step = max(learner.step, await latest_step(engine, policy)) + 1
+            started_at = datetime.now(UTC)
+            t0 = time.perf_counter()
+
+            # 2. train on the trainer thread (serving may be held meanwhile: on_train_state)
+            self._train_state(True)
+            try:
+                result = await self._run(
+                    train_step,
+                    learner.model,
+                    learner.tokenizer,
+                    learner.optimizer,
+                    runs,
+                    self.config,
+                    learner.step,
+                )
+                # 3. checkpoint: adapter + optimizer + trainer state, atomically, before any publishing
+                state = {
+                    "run_ids": run_ids,
+                    "num_groups": result.num_groups,
+                    "num_tokens": result.num_tokens,
+                    "mean_reward": result.mean_reward,
+                    "loss": result.loss,
+                    "metrics": result.metrics,
+                    "config": resolved_config(self.config),
+                    "started_at": started_at.isoformat(),
+                }
+                saved = await self._run(
+                    ckpt.save_checkpoint,
+                    self.config.checkpoint_dir,
+                    policy,
+                    step,
+                    learner.model,
+                    learner.optimizer,
+                    state,
+                )
+            except BaseException:
+                # the weights may be half-updated: the next step reloads the last checkpoint
+                self._learners.pop(policy, None)
+                raise
+            finally:
+                self._train_state(False)
+            learner.step = step
+
+            # 4. publish: backend.load_adapter -> commit (exactly once) -> on_publish flips the alias
+            result.metrics["perf/step_seconds"] = time.perf_counter() - t0
+            await self._publish(saved, run_ids, result, started_at)
+            self._log_progress(policy, step, result, time.perf_counter() - t0)
+            out = {"policy": policy, "step": step, "adapter_path": str(saved.path), **result.metrics}
+            self.last_metrics = out
+            self.steps_done += 1
+            return out
+
+    async def _select_runs(self) -> list[RunData]:
+        """The runs of the next step with their completions; runs with nothing usable become `failed`."""
+        while groups := await self._select():
+            runs = await load_runs(self._db(), [rid for g in groups for rid in g.run_ids])
+            empty = [r.run_id for r in runs if not any(usable(c) for c in r.completions)]
+            if not empty:
+                return runs
+            # rewarded, but nothing sampled was stored (errors only, or no completion): never trainable;
+            # select again, so the groups' readiness and variance are judged without them
+            await mark_runs(self._db(), empty, RunStatus.failed)
+            log.warning("marked %d run(s) failed: no usable completion stored", len(empty))
+        return []
+
+    async def _select(self) -> list[ReadyGroup]:
+        cfg = self.config
+        groups = await ready_groups(self._db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout)
+        flat = [g for g in groups if g.zero_variance]
+        if flat:
+            n = await skip_groups(self._db(), flat)
+            log.info(
+                "skipped %d zero-variance group(s) (%d runs): equal rewards carry no gradient", len(flat), n
+            )
+        groups = [g for g in groups if not g.zero_variance]
+        if not groups:
+            return []
+        mine = [g for g in groups if g.policy == groups[0].policy]
+        waited = (datetime.now(UTC) - mine[0].newest_at).total_seconds()
+        if len(mine) < cfg.groups_per_step and waited < cfg.group_timeout:
+            return []  # wait for a full step, but not forever
+        return mine[: cfg.groups_per_step]
+
+    async def _learner(self, policy: str) -> Learner:
+        if policy not in self._learners:
+            self._learners[policy] = await self._run(self._load_learner, policy)
+        return self._learners[policy]
+
+    def _load_learner(self, policy: str) -> Learner:
+        last = ckpt.latest_checkpoint(self.config.checkpoint_dir, policy)
+        model, tokenizer = load_policy(self.backend.model_path, self.config, str(last.path) if last else None)
+        optimizer = make_optimizer(model, self.config)
+        if last is not None:
+            ckpt.load_optimizer(last, optimizer)
+            log.info("resumed policy %r from %s", policy, last.path)
+        return Learner(policy, model, tokenizer, optimizer, last.step if last else 0)
+
+    def _train_state(self, training: bool) -> None:
+        if self.on_train_state is not None:
+            try:
+                self.on_train_state(training)
+            except Exception:
+                log.exception("on_train_state(%s) failed", training)
+
+    async def _publish(
+        self, saved: ckpt.Checkpoint, run_ids: list[str], result: StepResult, started_at: datetime | None
+    ) -> None:
+        """Backend first (so the alias never points at a missing adapter), then the commit, then the alias."""
+        policy, step = saved.policy, saved.step
+        name = adapter_name(policy, step)
+        await self.backend.load_adapter(name, str(saved.path))
+        try:
+            await commit_step(
+                self._db(),
+                policy=policy,
+                step=step,
+                run_ids=run_ids,
+                adapter_path=str(saved.path),
+                started_at=started_at,
+                num_groups=result.num_groups,
+                num_tokens=result.num_tokens,
+                mean_reward=result.mean_reward,
+                loss=result.loss,
+                metrics=result.metrics,
+                config=resolved_config(self.config),
+            )
+        except StepConflict:
+            # the step belongs to nobody: forget its weights and its adapter, keep the last committed ones
+            self._learners.pop(policy, None)
+            ckpt.discard(saved)
+            await self._unload(name, 0)
+            raise
+        if self.on_publish is not None:
+            await self.on_publish(policy, step)
+        ckpt.prune(self.config.checkpoint_dir, policy, self.config.keep_checkpoints)
+        old = step - self.config.keep_checkpoints
+        if old >= 1:
+            task = asyncio.create_task(self._unload(adapter_name(policy, old), self.config.unload_grace))
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, name: str, delay: float) -> None:
+        # in-flight requests on the old adapter get `unload_grace` seconds to finish
+        await asyncio.sleep(delay)
+        try:
+            await self.backend.unload_adapter(name)
+        except AdapterError as exc:
+            if exc.status != 404:
+                log.warning("could not unload adapter %s: %s", name, exc)
+
+    # ------------------------------------------------------------------ recovery
+
+    async def recover(self) -> list[tuple[str, int]]:
+        """Commit checkpoints whose step the database lacks (a crash between save and commit)."""
+        async with self._lock:
+            return await self._recover_locked()
+
+    async def _recover_locked(self) -> list[tuple[str, int]]:
+        root = self.config.checkpoint_dir
+        await asyncio.to_thread(ckpt.clean_partial, root)
+        done = []
+        for policy in await asyncio.to_thread(ckpt.checkpoint_policies, root):
+            last = ckpt.latest_checkpoint(root, policy)
+            db_step = await latest_step(self._db(), policy)
+            if last is None or last.step <= db_step:
+                continue
+            if last.step != db_step + 1:
+                log.warning(
+                    "checkpoints of %r reach step %d but the database only step %d (another database?); "
+                    "resuming the weights, not committing",
+                    policy,
+                    last.step,
+                    db_step,
+                )
+                continue
+            state = last.state()
+            started = state.get("started_at")
+            result = StepResult(
+                num_groups=state.get("num_groups") or 0,
+                num_runs=len(state["run_ids"]),
+                num_tokens=state.get("num_tokens") or 0,
+                mean_reward=state.get("mean_reward") or 0.0,
+                loss=state.get("loss") or 0.0,
+                metrics=state.get("metrics") or {},
+            )
+            try:
+                await self._publish(
+                    last, state["run_ids"], result, datetime.fromisoformat(started) if started else None
+                )
+            except StepConflict as exc:
+                log.warning("discarded uncommitted checkpoint %s: %s", last.path, exc)
+                continue
+            log.info(
+                "recovered step %d of %r from its checkpoint (saved, not committed before a restart)",
+                last.step,
+                policy,
+            )
+            done.append((policy, last.step))
+        return done
+
+    # ------------------------------------------------------------------ feedback
+
+    def _log_progress(self, policy: str, step: int, r: StepResult, seconds: float) -> None:
+        m = r.metrics
+        log.info(
+            "step %d %s: %d groups, %d runs, %d tokens, reward %.3f, loss %.4f, kl %.4f, clip %.3f, "
+            "%.1f s, lag %.1f",
+            step,
+            policy,
+            r.num_groups,
+            r.num_runs,
+            r.num_tokens,
+            r.mean_reward,
+            r.loss,
+            m.get("kl/ref", m.get("kl/approx", 0.0)),
+            m.get("clip/frac", 0.0),
+            seconds,
+            m.get("perf/policy_lag_mean", 0.0),
+        )
+
+
+async def run_trainer(config: TrainerConfig, db_url: str, backend: Backend) -> None:
+    """The standalone `rlproxy train` process: migrate, attach to the backend, train until cancelled."""
+    await upgrade_async(db_url)
+    await backend.start()
+    service = TrainerService(config, db_url, backend)
+    try:
+        await service.start()
+        log.info("trainer ready: polling %s every %.1f s", db_url, config.poll_interval)
+        await asyncio.Event().wait()
+    finally:
+        await service.stop()
+        await backend.stop()

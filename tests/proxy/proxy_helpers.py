@@ -1,0 +1,112 @@
+"""Helpers of the proxy tests: a background event loop, a proxy under uvicorn, a LoRA maker.
+
+A module of its own (not conftest.py) so tests can import it by a unique name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sqlite3
+import sys
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # the stub upstream lives with the benchmark
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; `run(coro)` blocks until the coroutine is done."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="proxy-tests-loop")
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class ProxyServer:
+    """A proxy app under uvicorn on the loop thread; `.url` ends without `/v1`."""
+
+    def __init__(self, lt: LoopThread, app: Any, db_path: Path) -> None:
+        import uvicorn
+
+        self.lt = lt
+        self.app = app
+        self.db_path = db_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.proxy
+
+    def start(self) -> ProxyServer:
+        async def go() -> None:
+            self.task = asyncio.create_task(self.server.serve())
+            for _ in range(600):
+                if self.server.started:
+                    return
+                if self.task.done():
+                    self.task.result()
+                    raise RuntimeError("proxy server exited during startup")
+                await asyncio.sleep(0.02)
+            raise RuntimeError("proxy did not start")
+
+        self.lt.run(go())
+        return self
+
+    def stop(self) -> None:
+        """Shut the server down (lifespan included); idempotent."""
+        if self.server.should_exit:
+            return
+
+        async def go() -> None:
+            self.server.should_exit = True
+            await asyncio.wait_for(self.task, 30)
+
+        self.lt.run(go())
+
+    def flush(self) -> None:
+        """Wait until the writer committed everything submitted so far."""
+        self.lt.run(self.state.writer.flush())
+
+    def query(self, sql: str, *params: Any) -> list[tuple]:
+        """Rows of `sql` on the proxy's database, read-only, after a writer flush."""
+        self.flush()
+        con = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True)
+        try:
+            return con.execute(sql, params).fetchall()
+        finally:
+            con.close()
+
+
+def make_lora(model_dir: Path, out: Path, seed: int) -> Path:
+    """A random (non-zero) LoRA adapter for the model in `model_dir`, saved with peft."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(model, cfg).save_pretrained(out)
+    return out

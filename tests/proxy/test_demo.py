@@ -1,0 +1,50 @@
+"""The demo end to end, fast variant: the real `rlproxy serve` (tiny model, trainer on) and the agent."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rlproxy.proxy.demo import find_agent, run_demo
+
+
+@pytest.mark.timeout(600)
+def test_fast_demo_writes_a_sane_summary(tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("RLPROXY_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("RLPROXY_API_KEY", "ignored-by-the-demo")  # the demo's server runs without one
+    lines: list[str] = []
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+
+    summary = run_demo(5, fast=True, out_dir=tmp_path / "out", echo=lines.append)
+
+    on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    assert summary["steps"] == 3 and len(summary["rows"]) == 3
+    for key in ("first3_mean_reward", "last3_mean_reward"):
+        assert 0.0 <= summary[key] <= 1.0
+    assert 0 < summary["minutes"] < 5
+    assert summary["model"] == "tiny" and summary["stop_reason"] == "max_steps"
+    assert 50 < summary["peak_rss_mb"] < 8000
+    assert all(r["runs"] == 4 and r["status"] in ("trained", "skipped") for r in summary["rows"])
+    plot = Path(summary["plot"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the trajectories are in SQL, as the printed query says: 12 two-call runs with their rewards
+    with sqlite3.connect(summary["db"]) as db:
+        n_runs, n_rewarded = db.execute("SELECT count(*), count(reward) FROM runs").fetchone()
+        calls = db.execute("SELECT DISTINCT n_completions FROM trajectories").fetchall()
+        db.execute(summary["sql"].splitlines()[0]).fetchall()
+    assert (n_runs, n_rewarded) == (12, 12)
+    assert calls == [(2,)]
+    assert any("step   3" in line for line in lines) and any("sqlite3" in line for line in lines)
+
+    # the server is stopped
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_agent_is_found():
+    assert find_agent().name == "agent.py"

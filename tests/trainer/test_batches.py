@@ -1,0 +1,118 @@
+"""Samples and padded batches: masks on sampled tokens only, aligned old logprobs, counted fallbacks."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rlproxy.storage.training import CompletionData, RunData
+from rlproxy.trainer.batches import build_samples, collate, micro_batches
+
+
+def comp(
+    prompt: list[int] | None, tokens: list[list[int]] | None, logprobs: list | None = None, **kw
+) -> CompletionData:
+    return CompletionData(
+        run_id=kw.pop("run_id", "r"),
+        seq=0,
+        policy_step=kw.pop("policy_step", 0),
+        endpoint="chat.completions",
+        request=kw.pop("request", None),
+        response=kw.pop("response", None),
+        prompt_token_ids=prompt,
+        token_ids=tokens,
+        logprobs=logprobs,
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_samples_from_token_ids(tokenizer) -> None:
+    runs = [
+        RunData("a", "g", "tiny", 1.0, [comp([1, 2, 3], [[4, 5]], [[-0.5, -0.25]], policy_step=3)]),
+        # two turns, the second with two choices (n=2): three samples for run b
+        RunData(
+            "b",
+            "g",
+            "tiny",
+            0.0,
+            [
+                comp([1, 2], [[6]], [[-1.0]]),
+                comp([1, 2, 6, 7], [[8, 9, 10], [11]], [[-0.1, None, -0.3], [-0.4]]),
+            ],
+        ),
+    ]
+    samples, counts = build_samples(runs, {"a": 1.0, "b": -1.0}, tokenizer, max_seq_len=64)
+    assert [(s.run_id, s.advantage) for s in samples] == [("a", 1.0), ("b", -1.0), ("b", -1.0), ("b", -1.0)]
+    assert samples[0].policy_step == 3
+    assert samples[2].completion_ids == [8, 9, 10]
+    assert math.isnan(samples[2].old_logprobs[1])  # a null logprob (orjson's -inf) is unknown, not certain
+    assert (counts.samples, counts.rebuilt, counts.truncated, counts.sampled_tokens) == (4, 0, 0, 7)
+
+
+def test_collate_layout(tokenizer) -> None:
+    runs = [
+        RunData("a", "g", "tiny", 1.0, [comp([1, 2, 3], [[4, 5]], [[-0.5, -0.25]])]),
+        RunData("b", "g", "tiny", 0.0, [comp([7], [[8, 9, 10]], [[-1.0, -2.0, -3.0]])]),
+    ]
+    samples, _ = build_samples(runs, {"a": 0.5, "b": -0.5}, tokenizer, max_seq_len=64)
+    b = collate(samples, pad_id=0)
+    # P = 3 prompt columns (left-padded), C = 3 completion columns (right-padded)
+    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5, 0], [0, 0, 7, 8, 9, 10]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    assert b.completion_ids.tolist() == [[4, 5, 0], [8, 9, 10]]
+    assert b.mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert b.old_logp.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+    assert b.advantages.tolist() == [0.5, -0.5]
+    assert b.num_tokens == 5
+
+
+def test_truncation_and_drop_are_counted(tokenizer) -> None:
+    runs = [
+        RunData("long", "g", "tiny", 1.0, [comp(list(range(1, 11)), [list(range(20, 30))], [[-1.0] * 10])]),
+        RunData("huge", "g", "tiny", 0.0, [comp(list(range(1, 17)), [[5]], [[-1.0]])]),
+    ]
+    samples, counts = build_samples(runs, {"long": 1.0, "huge": -1.0}, tokenizer, max_seq_len=16)
+    [s] = samples
+    assert len(s.prompt_ids) + len(s.completion_ids) == 16 and s.truncated
+    assert s.completion_ids == list(range(20, 26)) and len(s.old_logprobs) == 6
+    assert (counts.truncated, counts.dropped) == (1, 1)
+    assert counts.metrics()["batch/truncated"] == 1.0
+
+
+def test_fallback_rebuilds_with_chat_template(tokenizer) -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    reply = {"role": "assistant", "content": "hi friend"}
+    c = comp(None, None, None, request={"messages": messages}, response={"choices": [{"message": reply}]})
+    samples, counts = build_samples([RunData("a", "g", "tiny", 1.0, [c])], {"a": 1.0}, tokenizer, 256)
+    [s] = samples
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert s.prompt_ids == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(s.completion_ids) == "hi friend<|im_end|>"
+    assert s.rebuilt and all(math.isnan(x) for x in s.old_logprobs)
+    assert (counts.rebuilt, counts.missing_logprobs) == (1, 1)
+    # mismatched logprobs count as missing too
+    c2 = comp([1], [[2, 3]], [[-1.0]])
+    _, counts = build_samples([RunData("b", "g", "tiny", 1.0, [c2])], {"b": 1.0}, tokenizer, 256)
+    assert (counts.rebuilt, counts.missing_logprobs) == (0, 1)
+
+
+def test_micro_batches_keep_every_sample(tokenizer) -> None:
+    runs = [
+        RunData(f"r{i}", "g", "tiny", float(i), [comp([1] * (i + 1), [[2] * (5 - i)], [[-1.0] * (5 - i)])])
+        for i in range(5)
+    ]
+    samples, _ = build_samples(runs, {f"r{i}": float(i) for i in range(5)}, tokenizer, 64)
+    mbs = micro_batches(samples, 2, pad_id=0)
+    assert [mb.input_ids.shape[0] for mb in mbs] == [2, 2, 1]
+    assert sum(mb.num_tokens for mb in mbs) == 15
+    assert sorted(a for mb in mbs for a in mb.advantages.tolist()) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert torch.equal(mbs[0].mask.sum(1), torch.tensor([5.0, 4.0]))

@@ -1,0 +1,122 @@
+"""The GRPO math on examples small enough to compute by hand; expected numbers are written out.
+
+The policy-loss example (B=2 sequences, T=3 positions, the second sequence has 2 tokens):
+
+    logp      [[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]]
+    old_logp  [[-1.2, -1.0, -0.5], [-1.0, -0.5, 0.0]]     mask [[1, 1, 1], [1, 1, 0]]   adv [1, -2]
+    log-ratio [[0.2, -1.0, 0.0], [-0.5, 0.3, -]]
+    ratio     [[1.2214028, 0.3678794, 1], [0.6065307, 1.3498588, -]]
+
+    eps = 0.2: row 0 (A=+1) min(rA, clip(r)A) = [1.2, 0.3678794, 1]  -> loss tokens [-1.2, -0.3678794, -1]
+               row 1 (A=-2) min = [min(-1.2130613, -1.6), min(-2.6997176, -2.4)]
+                                                               -> loss tokens [1.6, 2.6997176]
+    grpo    = mean(-2.5678794 / 3, 4.2997176 / 2)        = (-0.8559598 + 2.1498588) / 2 = 0.6469495
+    dapo    = (-2.5678794 + 4.2997176) / 5               = 0.3463676
+    dr_grpo = 1.7318382 / (2 sequences * max_len 4)       = 0.2164798
+    gspo    : sequence log-ratios -0.2666667, -0.1 -> ratios 0.7659283, 0.9048374
+              row 0: min(0.7659283, clip 0.8) = 0.7659283 -> -0.7659283 ; row 1: -2 * 0.9048374 -> 1.8096748
+              loss = (-0.7659283 + 1.8096748) / 2 = 0.5218732
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlproxy.trainer.losses import advantages, batch_weight, k3_kl, policy_loss
+
+LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]])
+OLD = torch.tensor([[-1.2, -1.0, -0.5], [-1.0, -0.5, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+ADV = torch.tensor([1.0, -2.0])
+REF = torch.full((2, 3), -1.0)
+
+
+def approx(x: float) -> object:
+    return pytest.approx(x, abs=2e-6)
+
+
+def test_advantages_group_normalized() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 4.0, 1.0, 1.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])
+    adv, m = advantages(rewards, groups, "group")
+    # group 0: mean 0.5, unbiased std sqrt(0.5 / 3) = 0.4082483; group 1: mean 3, std sqrt(2) = 1.4142136
+    s0, s1 = math.sqrt(0.5 / 3) + 1e-4, math.sqrt(2.0) + 1e-4
+    expected = [0.5 / s0, -0.5 / s0, 0.0, 0.0, -1 / s1, 1 / s1, 0.0, 0.0]
+    assert adv.tolist() == pytest.approx(expected, abs=1e-6)
+    assert adv[0].item() == approx(1.2244450)  # 0.5 / 0.4083483
+    assert adv[5].item() == approx(0.7070568)  # 1 / 1.4143136
+    assert m["reward/frac_zero_std"] == approx(1 / 3)  # group 2 has equal rewards
+    assert m["reward/mean"] == approx(10 / 8)
+
+
+def test_advantages_unscaled() -> None:
+    adv, _ = advantages(
+        torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 4.0]), torch.tensor([0, 0, 0, 0, 1, 1]), "none"
+    )
+    assert adv.tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0, -1.0, 1.0])
+
+
+def test_grpo_per_sequence_mean() -> None:
+    loss, m = policy_loss(LOGP, OLD, None, ADV, MASK, kind="grpo", epsilon=0.2)
+    assert loss.item() == approx(0.6469495)
+    assert m["clip/low_frac"] == approx(0.2)  # row 1 token 0: ratio 0.61 < 0.8 with A < 0
+    assert m["clip/high_frac"] == approx(0.2)  # row 0 token 0: ratio 1.22 > 1.2 with A > 0
+    assert m["clip/frac"] == approx(0.4)
+    # approx KL = mean over the 5 tokens of (r - 1) - log r
+    ks = [(math.exp(x) - 1) - x for x in (0.2, -1.0, 0.0, -0.5, 0.3)]
+    assert m["kl/approx"] == approx(sum(ks) / 5)
+    assert "kl/ref" not in m
+
+
+def test_dapo_token_mean_and_clip_higher() -> None:
+    loss, _ = policy_loss(LOGP, OLD, None, ADV, MASK, kind="dapo", epsilon=0.2)
+    assert loss.item() == approx(0.3463676)
+    # clip-higher 0.3: row 0 token 0 (1.2214 < 1.3) is no longer clipped -> -1.2214028 instead of -1.2
+    loss, m = policy_loss(LOGP, OLD, None, ADV, MASK, kind="dapo", epsilon=0.2, epsilon_high=0.3)
+    assert loss.item() == approx((-1.2214028 - 0.3678794 - 1 + 1.6 + 2.6997176) / 5)
+    assert loss.item() == approx(0.3420871)
+    assert m["clip/high_frac"] == 0.0
+
+
+def test_dr_grpo_constant_normalizer() -> None:
+    loss, _ = policy_loss(LOGP, OLD, None, ADV, MASK, kind="dr_grpo", epsilon=0.2, max_len=4)
+    assert loss.item() == approx(0.2164798)
+
+
+def test_gspo_sequence_ratio() -> None:
+    loss, m = policy_loss(LOGP, OLD, None, ADV, MASK, kind="gspo", epsilon=0.2)
+    assert loss.item() == approx(0.5218732)
+    assert m["clip/frac"] == 0.0  # 0.766 < 0.8 but A > 0: the unclipped term is the minimum
+
+
+def test_k3_kl_and_beta() -> None:
+    kl = k3_kl(LOGP, REF)
+    # d = ref - logp = [[0, 1, -0.5], [0.5, -0.8, -1]]; k3 = e^d - d - 1
+    assert kl[0].tolist() == pytest.approx([0.0, math.e - 2, math.exp(-0.5) - 0.5], abs=1e-6)
+    assert kl[1, :2].tolist() == pytest.approx([math.exp(0.5) - 1.5, math.exp(-0.8) - 0.2], abs=1e-6)
+    loss, m = policy_loss(LOGP, OLD, REF, ADV, MASK, kind="grpo", epsilon=0.2, beta=0.1)
+    # row 0: (-2.5678794 + 0.1 * 0.8248125) / 3 ; row 1: (4.2997176 + 0.1 * 0.3980502) / 2
+    assert loss.item() == approx(0.6706476)
+    assert m["kl/ref"] == approx((0.8248125 + 0.3980502) / 5)
+    # beta is ignored without reference log-probs (beta 0 never computes them)
+    loss0, _ = policy_loss(LOGP, OLD, None, ADV, MASK, kind="grpo", epsilon=0.2, beta=0.1)
+    assert loss0.item() == approx(0.6469495)
+
+
+def test_on_policy_gradient_is_advantage_weighted() -> None:
+    # at ratio 1 the gradient of the grpo loss w.r.t. logp_t is -A / (tokens in the sequence) / B
+    logp = OLD.clone().requires_grad_(True)
+    loss, _ = policy_loss(logp, OLD, None, ADV, MASK, kind="grpo")
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-1 / 6] * 3)
+    assert logp.grad[1].tolist() == pytest.approx([0.5, 0.5, 0.0])
+
+
+def test_batch_weight_sums_to_one() -> None:
+    a, b = torch.ones(3, 4), torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    assert batch_weight("grpo", a, 4, 14) + batch_weight("grpo", b, 4, 14) == approx(1.0)
+    assert batch_weight("dapo", a, 4, 14) == approx(12 / 14)
+    assert batch_weight("dapo", b, 4, 14) == approx(2 / 14)
