@@ -57,6 +57,9 @@ LOGGING: dict[str, object] = {
     "workers": 1,
     "server": "uvicorn (LiteLLM's default)",
     "rows_stored": 0,
+    # always on, no setting removes them: built in to every call even with no callback configured
+    "per_request_builtins": "auth + budget checks in memory, parallel-request limiter, router usage"
+    " counters, Logging object with the standard logging payload and a cost calculation",
 }
 
 
@@ -134,7 +137,11 @@ class LiteLLM:
     """LiteLLM's proxy in its own process on a loopback port; `start()` waits until it answers."""
 
     def __init__(
-        self, upstream: str, model: str = "stub-model", port: int | None = None, extra_args: tuple[str, ...] = ()
+        self,
+        upstream: str,
+        model: str = "stub-model",
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         if not LITELLM_BIN.exists():
             raise FileNotFoundError(f"{LITELLM_BIN} is missing: run `make litellm` first")
