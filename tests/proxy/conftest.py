@@ -17,24 +17,9 @@ from proxy_helpers import LoopThread, ProxyServer, make_lora
 
 
 @pytest.fixture(scope="session")
-def loop_thread() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
-@pytest.fixture(scope="session")
-def engine_backend(tiny_model_dir: Path, loop_thread: LoopThread) -> Iterator[Any]:
-    """The embedded engine serving the tiny model for the whole session (the real upstream)."""
-    import torch
-
-    from rlproxy.inference.embedded import EmbeddedBackend
-
-    torch.set_num_threads(1)
-    backend = EmbeddedBackend(str(tiny_model_dir), threads=1, max_batch=16)
-    loop_thread.run(backend.start(), timeout=300)
-    yield backend
-    loop_thread.run(backend.stop())
+def engine_backend(embedded_backend: Any) -> Any:
+    """The session's embedded engine on the tiny model (the real upstream)."""
+    return embedded_backend
 
 
 @pytest.fixture
@@ -79,13 +64,6 @@ def make_proxy(loop_thread: LoopThread, tmp_path: Path) -> Iterator[Any]:
 def engine_proxy(make_proxy: Any, engine_backend: Any, tiny_model_dir: Path) -> ProxyServer:
     """A proxy in front of the session's embedded engine."""
     return make_proxy(engine_backend.base_url, model=str(tiny_model_dir))
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer(tiny_model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

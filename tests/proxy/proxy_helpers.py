@@ -6,39 +6,15 @@ A module of its own (not conftest.py) so tests can import it by a unique name.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sqlite3
 import sys
-import threading
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from support import LoopThread, free_port, make_lora  # noqa: F401  (re-exported for the tests)
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))  # the stub upstream lives with the benchmark
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LoopThread:
-    """An asyncio loop on a daemon thread; `run(coro)` blocks until the coroutine is done."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="proxy-tests-loop")
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 class ProxyServer:
@@ -97,16 +73,3 @@ class ProxyServer:
             return con.execute(sql, params).fetchall()
         finally:
             con.close()
-
-
-def make_lora(model_dir: Path, out: Path, seed: int) -> Path:
-    """A random (non-zero) LoRA adapter for the model in `model_dir`, saved with peft."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(model, cfg).save_pretrained(out)
-    return out

@@ -9,23 +9,17 @@ engine with the tiny model, under a real uvicorn server on a loopback port.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sqlite3
 from pathlib import Path
 
 import httpx
 import uvicorn
 from openai import AsyncOpenAI
+from support import free_port
 
 from rlproxy.inference.embedded import EmbeddedBackend
 from rlproxy.proxy.cli import build_app
 from rlproxy.proxy.settings import Settings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rows(db: Path, sql: str) -> list[tuple]:

@@ -1,0 +1,65 @@
+"""Test helpers shared by every test package (importable as `support`: tests/ is on sys.path).
+
+The servers under test run in an asyncio loop on a background thread, so tests can use the real
+synchronous `openai` SDK and stay independent of pytest-asyncio's loop scopes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; `run(coro)` blocks until the coroutine is done."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="tests-loop")
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 300) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def make_lora(
+    model_dir: Path,
+    out: Path,
+    seed: int,
+    config_overrides: dict | None = None,
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj", "o_proj"),
+) -> Path:
+    """Save a random (non-zero) LoRA adapter for the model in `model_dir` with peft's save_pretrained.
+
+    `config_overrides` builds the base from a changed config (an adapter made for another model).
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    if config_overrides:
+        cfg = AutoConfig.from_pretrained(model_dir)
+        for key, value in config_overrides.items():
+            setattr(cfg, key, value)
+        model = AutoModelForCausalLM.from_config(cfg)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=list(target_modules), init_lora_weights=False)
+    get_peft_model(model, lora).save_pretrained(out)
+    return out
