@@ -59,7 +59,9 @@ async def test_rewarded_groups_train_and_publish(tiny_model_dir: Path, tmp_path:
         base = f"http://127.0.0.1:{port}"
         client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
         policy = backend.served_model
-        rewards = {"A": [1.0, 0.0, 0.5, 0.0], "B": [0.0, 0.25, 1.0, 1.0], "Z": [0.5] * 4}
+        # Z (all equal, skipped) goes first: once B's last reward is in, the step may be published
+        # before the next request, which would then carry X-Policy-Step 1
+        rewards = {"Z": [0.5] * 4, "A": [1.0, 0.0, 0.5, 0.0], "B": [0.0, 0.25, 1.0, 1.0]}
         async with httpx.AsyncClient(base_url=base) as http:
             for group, rs in rewards.items():
                 for i, r in enumerate(rs):
