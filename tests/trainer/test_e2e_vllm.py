@@ -21,7 +21,8 @@ import httpx
 import pytest
 import uvicorn
 from openai import AsyncOpenAI
-from test_e2e_proxy import free_port, rows  # same folder: pytest puts it on sys.path
+from support import free_port
+from test_e2e_proxy import rows  # same folder: pytest puts it on sys.path
 
 from rlproxy.proxy.cli import build_app
 from rlproxy.proxy.settings import Settings
