@@ -112,7 +112,9 @@ def create_app(settings: Settings, backend: Backend, services: Sequence = ()) ->
         state.gate.bind(asyncio.get_running_loop())
         await db.upgrade_async(db_url)
         state.engine = db.create_engine(db_url)
-        state.writer = Writer(state.engine, flush_interval=settings.flush_interval)
+        state.writer = Writer(
+            state.engine, flush_interval=settings.flush_interval, max_queue=settings.write_queue_max
+        )
         state.metrics.attach_writer(state.writer)
         await state.writer.start()
         tasks: list[asyncio.Task] = []

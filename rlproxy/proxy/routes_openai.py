@@ -93,6 +93,8 @@ async def complete(px, scope, receive, endpoint: str, path_run_id: str | None) -
         runkey.check_id(group_id, "group id")
     if not px.gate.is_open:
         await px.gate.wait()
+    if px.writer.depth >= px.writer.max_queue:
+        await px.writer.room()  # the store is behind: wait at its pace rather than queue without bound
     policy, step, upstream_model = px.policies.resolve(body.get("model"))
 
     upstream_body = dict(body)

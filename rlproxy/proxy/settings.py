@@ -59,6 +59,9 @@ class Settings(BaseSettings, TrainerConfig):
     flush_interval: float = Field(
         0.05, ge=0, description="seconds the writer waits to batch rows into one commit"
     )
+    write_queue_max: int = Field(
+        10_000, ge=1, description="uncommitted completions after which new requests wait for the store"
+    )
     run_expiry: float = Field(
         86400.0, gt=0, description="seconds after which an unrewarded open run is expired"
     )

@@ -24,6 +24,7 @@ from urllib.parse import quote, unquote
 import orjson
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateColumn
@@ -243,7 +244,17 @@ def upgrade(url: str, revision: str = "head") -> None:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     log.info("migrating %s to %s", _redact(url), revision)
-    _in_thread(command.upgrade, alembic_config(url), revision)
+    for attempt in range(5):
+        try:
+            _in_thread(command.upgrade, alembic_config(url), revision)
+            return
+        except OperationalError as exc:
+            # Processes starting together on a fresh SQLite file (serve + train) can find it locked
+            # while another one switches it to WAL or migrates; once that is done, this is a no-op.
+            if attempt == 4 or "locked" not in str(exc):
+                raise
+            log.warning("database is locked while migrating; retrying (%s)", exc.orig)
+            time.sleep(0.5 * (attempt + 1))
 
 
 def downgrade(url: str, revision: str = "base") -> None:

@@ -79,8 +79,15 @@ class Writer:
         flush_interval: float = 0.05,
         max_batch: int = 256,
         drain_timeout: float = 30.0,
+        max_queue: int = 10_000,
     ) -> None:
         self._engine = engine
+        # Backpressure: past `max_queue` uncommitted operations `room()` waits until the backlog is
+        # half drained, so a sustained overload slows requests to the database's pace instead of
+        # growing memory (and full garbage collections over the queued records) without bound.
+        self.max_queue = max(1, max_queue)
+        self._room = asyncio.Event()
+        self._room.set()
         self.flush_interval = flush_interval
         self.max_batch = max(1, max_batch)
         self.drain_timeout = drain_timeout  # close(): how long to keep retrying a failing database
@@ -121,6 +128,13 @@ class Writer:
         self._queue.put_nowait(rec)
         if self._queue.qsize() >= self.max_batch:
             self._wake.set()
+        if self._pending >= self.max_queue:
+            self._room.clear()
+
+    async def room(self) -> None:
+        """Return at once unless the backlog is over `max_queue`; then wait until it is half drained."""
+        if not self._room.is_set():
+            await self._room.wait()
 
     async def reward(
         self,
@@ -193,6 +207,8 @@ class Writer:
                 except Exception:  # the writer must outlive any bug in a batch
                     log.exception("writer: unexpected failure; %d operations dropped", len(batch))
                     self._give_up(batch, StorageError("the writer failed"))
+            if self._pending <= self.max_queue // 2 or stop:
+                self._room.set()
             if stop:
                 return
 

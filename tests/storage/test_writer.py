@@ -250,3 +250,19 @@ async def test_flush_is_a_barrier(engine: AsyncEngine) -> None:
     assert (await rows(engine, "SELECT count(*) FROM completions"))[0][0] == 3
     await w.close()
     await w.flush()  # after close: returns at once
+
+
+async def test_backlog_over_max_queue_makes_room_wait(engine: AsyncEngine) -> None:
+    """Backpressure: past max_queue uncommitted records, room() waits until the writer drains them."""
+    w = Writer(engine, flush_interval=0.01, max_batch=4, max_queue=10)
+    for i in range(9):
+        w.submit(rec("r", i))
+    await asyncio.wait_for(w.room(), 1)  # under the limit: no wait
+    w.submit(rec("r", 9))
+    with pytest.raises(TimeoutError):  # the writer is not started: nothing drains, room() waits
+        await asyncio.wait_for(w.room(), 0.3)
+    await w.start()
+    await asyncio.wait_for(w.room(), 10)  # drained below half: requests go on
+    await w.close()
+    assert w.rows_written == 10 and w.dropped == 0
+    assert (await rows(engine, "SELECT count(*) FROM completions"))[0][0] == 10
