@@ -63,3 +63,31 @@ def make_lora(
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=list(target_modules), init_lora_weights=False)
     get_peft_model(model, lora).save_pretrained(out)
     return out
+
+
+class ServerlessBackend:
+    """The Backend protocol without a server, for tests whose subject is the trainer itself.
+
+    Subclasses decide what `load_adapter` checks or records; the end-to-end tests use real engines.
+    """
+
+    base_url = "http://127.0.0.1:1"
+    served_model = "tiny"
+
+    def __init__(self, model_path: str | Path) -> None:
+        self._model_path = str(model_path)
+
+    @property
+    def model_path(self) -> str:
+        return self._model_path
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def health(self) -> bool:
+        return True
+
+    async def load_adapter(self, name: str, path: str) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
+from support import ServerlessBackend
 
 from rlproxy.errors import AdapterError, BackendUnavailable
 from rlproxy.trainer import checkpoint as ckpt
@@ -22,28 +23,14 @@ from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.service import TrainerService
 
 
-class RecordingBackend:
+class RecordingBackend(ServerlessBackend):
     """Backend protocol: records adapter loads/unloads; `fail_loads` makes load_adapter raise."""
 
     def __init__(self, model_path: Path) -> None:
-        self._model_path = str(model_path)
+        super().__init__(model_path)
         self.loaded: dict[str, str] = {}
         self.events: list[tuple[str, str]] = []
         self.fail_loads = 0
-
-    base_url = "http://127.0.0.1:1"
-    served_model = "tiny"
-
-    @property
-    def model_path(self) -> str:
-        return self._model_path
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-    async def health(self) -> bool:
-        return True
 
     async def load_adapter(self, name: str, path: str) -> None:
         if self.fail_loads:

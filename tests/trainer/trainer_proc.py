@@ -16,38 +16,27 @@ from pathlib import Path
 
 import torch
 
-import rlproxy.trainer.service as service
-from rlproxy.trainer.config import TrainerConfig
-from rlproxy.trainer.service import TrainerService
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+
+from support import ServerlessBackend  # noqa: E402
+
+import rlproxy.trainer.service as service  # noqa: E402
+from rlproxy.trainer.config import TrainerConfig  # noqa: E402
+from rlproxy.trainer.service import TrainerService  # noqa: E402
 
 
-class FileBackend:
+class FileBackend(ServerlessBackend):
     """Backend protocol without a server: 'loads' an adapter by checking its folder."""
 
-    base_url = "http://127.0.0.1:1"
-    served_model = "tiny"
-
     def __init__(self, model_path: str, hang: bool, marker: Path) -> None:
-        self._model_path, self.hang, self.marker = model_path, hang, marker
-
-    @property
-    def model_path(self) -> str:
-        return self._model_path
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-    async def health(self) -> bool:
-        return True
+        super().__init__(model_path)
+        self.hang, self.marker = hang, marker
 
     async def load_adapter(self, name: str, path: str) -> None:
         assert (Path(path) / "adapter_model.safetensors").is_file()
         if self.hang:
             self.marker.write_text(name)
             await asyncio.sleep(3600)
-
-    async def unload_adapter(self, name: str) -> None: ...
 
 
 async def main(db_url: str, ckpt_dir: str, model_dir: str, mode: str, marker: Path) -> None:
