@@ -2,7 +2,9 @@
 
 The proxy talks to it over loopback HTTP exactly as it talks to vLLM, so the two backends cannot be
 told apart; only adapter loads take a shortcut (a direct call into the engine's worker thread,
-with the same errors the HTTP route gives).
+with the same errors the HTTP route gives). With `api_key` (the composition root passes a random
+per-process secret) the loopback server answers only requests that carry it; the proxy's forwarder
+sends it (`api_key` is what `forward.Upstream` reads from the backend), `/health` stays open.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ class EmbeddedBackend:
         port: int = 0,
         threads: int | None = None,
         max_batch: int = 16,
+        api_key: str | None = None,
     ) -> None:
         self.model = model
+        self.api_key = api_key  # the bearer secret the engine requires (None: open, loopback only)
         self.cache_dir = cache_dir
         self.host = host
         self.port = port  # 0 = any free port, known after start()
@@ -84,7 +88,7 @@ class EmbeddedBackend:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            create_engine_app(self.engine),
+            create_engine_app(self.engine, api_key=self.api_key),
             log_level="warning",
             lifespan="off",
             access_log=False,
@@ -145,13 +149,15 @@ def run_engine(
     threads: int | None = None,
     cache_dir: str | Path | None = None,
     max_batch: int = 16,
+    api_key: str | None = None,
 ) -> None:
-    """Serve the embedded engine alone until interrupted (`rlproxy engine`)."""
+    """Serve the embedded engine alone until interrupted (`rlproxy engine`); `api_key` as above."""
     path = resolve_model(model, cache_dir=cache_dir)
     engine = Engine(path, served_name=served_name(model), threads=threads, max_batch=max_batch)
     engine.start()
     try:
         log.info("serving %s (%s) at http://%s:%d/v1", served_name(model), path, host, port)
-        uvicorn.run(create_engine_app(engine), host=host, port=port, log_level="info", access_log=False)
+        app = create_engine_app(engine, api_key=api_key)
+        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
     finally:
         engine.close()

@@ -4,6 +4,10 @@
     POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}
     POST /v1/unload_lora_adapter {lora_name}
 
+With `api_key` set, every route but `/health` needs `Authorization: Bearer <api_key>` and answers
+401 `{"error": "Unauthorized"}` (vLLM's `--api-key` answer) without it: the proxy's engine is reached
+only with the per-process secret the composition root made.
+
 Errors use vLLM's body `{"error": {"message", "type", "param", "code"}}` with `code` the HTTP
 status: unknown model 404, bad JSON and invalid parameters 400 (vLLM does not use 422), adapter
 errors as AdapterError says. The routes never run model code: they hand work to the engine's worker
@@ -13,6 +17,7 @@ thread (`Generation`, `Engine.call`) and await it, so the event loop stays free.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -65,9 +70,30 @@ async def _parse(request: Request, cls: type[BaseModel]) -> Any:
         raise APIError(400, f"{first.get('msg')} ({param})", type="BadRequestError", param=param) from exc
 
 
-def create_engine_app(engine: Engine) -> FastAPI:
-    """The OpenAI app for one engine; the caller starts and closes the engine."""
-    app = FastAPI(title="rlproxy embedded engine")
+class BearerCheck:
+    """Pure ASGI: 401 unless `Authorization: Bearer <key>` (compared in constant time); `/health` open."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = b"Bearer " + api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = b'{"error":"Unauthorized"}'
+                headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def create_engine_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+    """The OpenAI app for one engine (`api_key`: see the module doc); the caller starts and closes it."""
+    app = FastAPI(title="rlproxy embedded engine", redirect_slashes=False)
+    if api_key:
+        app.add_middleware(BearerCheck, api_key=api_key)
     app.state.engine = engine
     tok = engine.tokenizer
     created = int(time.time())

@@ -17,6 +17,11 @@ Launch flags depend on the device (`device="auto"` looks for an NVIDIA GPU):
 `extra_args` is appended and wins: any flag it names (`--max-num-seqs 8`, `--no-enforce-eager`)
 replaces the default of that name.
 
+`api_key`: the bearer key every call to the server carries (adapters, /v1/models; the proxy's
+forwarder reads it too). A launched server gets it as `VLLM_API_KEY` in its environment (vLLM's
+`--api-key`, kept out of the command line that `ps` shows), so only holders of the key reach its
+/v1 routes; in attach mode it is the key the server was started with.
+
 Attach mode (`upstream=URL`) never starts or stops anything; the served model name comes from
 `/v1/models`. Adapter paths are sent as given (made absolute), so the server must see the same files.
 """
@@ -67,6 +72,7 @@ class VLLMBackend:
         startup_timeout: float = 300.0,
         log_path: str | None = None,
         device: str = "auto",
+        api_key: str | None = None,
     ) -> None:
         if device not in ("auto", "cpu", "gpu"):
             raise ValueError(f"device must be auto, cpu or gpu, not {device!r}")
@@ -82,6 +88,7 @@ class VLLMBackend:
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else None
         self.device = device
+        self.api_key = api_key
         self._model_path: str | None = None
         self._served_model: str | None = None
         self._base_url: str | None = self.upstream
@@ -158,7 +165,8 @@ class VLLMBackend:
     def _http(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._client is None or self._client_loop is not loop:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0))
+            auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0), headers=auth)
             self._client_loop = loop
         return self._client
 
@@ -257,6 +265,8 @@ class VLLMBackend:
         env = dict(os.environ)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # enables /v1/load_lora_adapter
         env.setdefault("HF_HUB_OFFLINE", "1")
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key  # vLLM's --api-key, out of sight of `ps`
         if self._device() == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM's default is 4
         return env

@@ -21,9 +21,11 @@ from fastapi import FastAPI
 
 from rlproxy.inference.backend import Backend
 from rlproxy.proxy import errors
-from rlproxy.proxy.auth import APIKeyMiddleware
+from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
+from rlproxy.proxy.guard import Guard, allowed_host_names, is_loopback
 from rlproxy.proxy.inflight import InFlight
+from rlproxy.proxy.limits import Limits
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies
 from rlproxy.proxy.settings import Settings
@@ -44,8 +46,9 @@ class ProxyState:
     engine: object = None  # AsyncEngine
     writer: object = None  # storage.writer.Writer
     upstream: object = None  # forward.Upstream
-    # request headers never forwarded: our own API key is not the upstream's
-    drop_headers: frozenset[bytes] = frozenset()
+    # request headers never forwarded: the client's key is ours, not the upstream's (which
+    # forward.Upstream sends itself: the backend's `api_key`)
+    drop_headers: frozenset[bytes] = frozenset({b"authorization"})
     services: tuple = ()  # started after the backend, stopped before it (the trainer)
 
 
@@ -66,12 +69,22 @@ async def _expire_loop(engine, older_than_s: float) -> None:
             logger.warning("run expiry failed: %s", exc)
 
 
+def _journal(settings: Settings, db_url: str):
+    """The crash journal of this store (storage.journal.Journal), or None when it is off."""
+    from rlproxy.storage.journal import Journal, default_folder
+
+    if settings.journal_dir == "off":
+        return None
+    folder = settings.journal_dir or default_folder(db_url, settings.cache_dir)
+    return Journal(folder, max_bytes=settings.journal_max_bytes) if folder is not None else None
+
+
 class ProxyApp(FastAPI):
-    """FastAPI with the hot path and the key check in front of its own middleware stack.
+    """FastAPI with the hot path and the request guard in front of its own middleware stack.
 
     The completion routes are served by `routes_openai.HotPath` before FastAPI's stack (error
     middleware, telemetry, router), which costs more per request than the proxy's whole budget
-    allows; the API key check wraps everything.
+    allows; `guard.Guard` (canonical path, Host, Origin, keys, content type) wraps both.
     """
 
     public_paths: tuple[str, ...] = ("/healthz",)
@@ -81,9 +94,22 @@ class ProxyApp(FastAPI):
 
         state = self.state.proxy
         app = routes_openai.HotPath(super().build_middleware_stack(), state)
-        if state.settings.api_key:
-            app = APIKeyMiddleware(app, api_key=state.settings.api_key, public=self.public_paths)
-        return app
+        s = state.settings
+        principals = Principals(s.api_key, s.admin_key, public=self.public_paths)
+        if principals.open and not is_loopback(s.host):
+            logger.warning(
+                "listening on %s without RLPROXY_API_KEY or RLPROXY_ADMIN_KEY: whoever reaches it can "
+                "use it, read every run and feed the trainer (see README, Security)",
+                s.host,
+            )
+        app = Guard(
+            app,
+            principals,
+            allowed_hosts=allowed_host_names(s.allowed_hosts, s.host),
+            cors_origins=tuple(o.strip() for o in s.cors_origins.split(",") if o.strip()),
+        )
+        # outermost: body size on every route and requests in flight (proxy/limits.py)
+        return Limits(app, s.max_body_bytes, s.max_reward_body_bytes, s.max_concurrent_requests)
 
 
 def create_app(settings: Settings, backend: Backend, services: Sequence = ()) -> FastAPI:
@@ -100,23 +126,28 @@ def create_app(settings: Settings, backend: Backend, services: Sequence = ()) ->
         backend=backend,
         policies=Policies(base_model, settings.model_map),
         gate=TrainGate(settings.blocking_train),
-        drop_headers=frozenset({b"authorization"}) if settings.api_key else frozenset(),
         services=tuple(services),
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        from rlproxy.proxy.forward import Upstream, make_client
+        from rlproxy.proxy.forward import Upstream
         from rlproxy.storage.writer import Writer
 
         state.gate.bind(asyncio.get_running_loop())
         await db.upgrade_async(db_url)
         state.engine = db.create_engine(db_url)
         state.writer = Writer(
-            state.engine, flush_interval=settings.flush_interval, max_queue=settings.write_queue_max
+            state.engine,
+            flush_interval=settings.flush_interval,
+            max_queue=settings.write_queue_max,
+            max_queue_bytes=settings.write_queue_max_bytes,
+            journal=_journal(settings, db_url),
         )
-        state.metrics.attach_writer(state.writer)
+        state.metrics.attach_writer(state.writer, settings.store_unhealthy_after)
         await state.writer.start()
+        # Before serving: store what a killed predecessor's clients received but it never committed.
+        await state.writer.recover(timeout=settings.store_unhealthy_after)
         tasks: list[asyncio.Task] = []
         upstream = None
         started: list = []
@@ -125,7 +156,13 @@ def create_app(settings: Settings, backend: Backend, services: Sequence = ()) ->
             state.policies.set_base(backend.served_model)
             await state.policies.reload(backend, state.engine)
             timeout = settings.upstream_timeout
-            upstream = Upstream(backend.base_url, timeout, make_client(timeout))
+            upstream = Upstream(
+                backend.base_url,
+                timeout,
+                idle_timeout=settings.upstream_idle_timeout,
+                max_connections=settings.upstream_max_connections,
+                api_key=getattr(backend, "api_key", None),  # the engine's secret, if it has one
+            )
             state.upstream = upstream
             tasks.append(asyncio.create_task(state.policies.poll(state.engine), name="rlproxy-policy-poll"))
             tasks.append(
@@ -159,7 +196,10 @@ def create_app(settings: Settings, backend: Backend, services: Sequence = ()) ->
                 await state.writer.close()
                 await state.engine.dispose()
 
-    app = ProxyApp(title="rlproxy", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    # no redirect_slashes: a redirect would answer a path the guard let through with another one
+    app = ProxyApp(
+        title="rlproxy", lifespan=lifespan, docs_url="/docs", redoc_url=None, redirect_slashes=False
+    )
     app.state.proxy = state
     app.state.policies = state.policies
     errors.install(app)

@@ -1,44 +1,104 @@
-"""The optional API key, as pure ASGI middleware (no body buffering, streams untouched).
+"""Who may call which route: two principals, two keys (see the README's "Security" section).
 
-When `settings.api_key` is set, every HTTP request must carry `Authorization: Bearer <key>`,
-except the public paths (`/healthz`, and the dashboard's static page which holds no data).
-A wrong or missing key gets 401 in OpenAI's error shape, as OpenAI's API answers it.
+    agent     `RLPROXY_API_KEY`    the OpenAI routes (captured or passed through), rewards,
+                                   reading one run by its id (`GET /v1/runs/{id}`)
+    operator  `RLPROXY_ADMIN_KEY`  everything an agent may do, plus listing all runs, run stats,
+                                   training steps, `/metrics` and the dashboard's data
+
+A route is public (`/healthz`, the dashboard's static page), an operator route (`ADMIN_PATHS`,
+`ADMIN_PREFIXES`) or an agent route (everything else). Each key guards its own routes: with no key
+set everything is open (local development on loopback, which `guard.Guard`'s Host and Origin
+checks protect); with only the agents' key set the operator routes are closed (403 that says to set
+`RLPROXY_ADMIN_KEY`), so an agent key can never read other agents' runs; with only the admin key
+set the agent routes stay open. A missing or wrong key is 401, a valid key on a route its principal
+may not use is 403, both in OpenAI's error shape.
+
+`/metrics` is an operator route: it shows traffic, latencies and policy steps of every client, which
+is operator knowledge; Prometheus sends the admin key with `authorization: {credentials: ...}`.
 """
 
 from __future__ import annotations
 
 import hmac
+from enum import IntEnum
 
-from rlproxy.proxy.errors import error_body
+from rlproxy.errors import ConfigError
 
-_HEADERS = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+# Operator-only routes: exact paths, and path prefixes (training and adapter control live there).
+ADMIN_PATHS = frozenset({"/v1/runs", "/v1/runs/stats", "/metrics"})
+ADMIN_PREFIXES = ("/v1/training", "/v1/admin/")
 
 
-class APIKeyMiddleware:
-    """Reject requests without the right bearer token (see module doc)."""
+class Role(IntEnum):
+    """What a request's credentials make it (ordered: each role may do what the ones below may)."""
 
-    def __init__(self, app, api_key: str, public: tuple[str, ...] = ("/healthz",)) -> None:
-        self.app = app
-        self.expected = b"Bearer " + api_key.encode()
+    ANONYMOUS = 0  # no key, or a wrong one
+    AGENT = 1  # the agents' key (RLPROXY_API_KEY)
+    ADMIN = 2  # the operators' key (RLPROXY_ADMIN_KEY)
+
+
+class Refusal(Exception):
+    """Why a request may not pass: `status` (401 or 403), `message`, OpenAI error `code`."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+def is_admin_path(path: str) -> bool:
+    """True for the operator routes (see the module doc)."""
+    return path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES)
+
+
+class Principals:
+    """The two keys and the rule of the module doc; `check(path, authorization)` raises `Refusal`."""
+
+    def __init__(
+        self, api_key: str | None, admin_key: str | None, public: tuple[str, ...] = ("/healthz",)
+    ) -> None:
+        if api_key and admin_key and hmac.compare_digest(api_key.encode(), admin_key.encode()):
+            raise ConfigError(
+                "RLPROXY_ADMIN_KEY must differ from RLPROXY_API_KEY (else every agent is an operator)"
+            )
+        self.agent = b"Bearer " + api_key.encode() if api_key else None
+        self.admin = b"Bearer " + admin_key.encode() if admin_key else None
         self.public = frozenset(public)
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.public:
-            await self.app(scope, receive, send)
+    @property
+    def open(self) -> bool:
+        """No key at all: every route is open (Host and Origin checks still apply)."""
+        return self.agent is None and self.admin is None
+
+    def role(self, authorization: bytes | None) -> Role:
+        """The role the `Authorization` header value gives (compared in constant time)."""
+        if not authorization:
+            return Role.ANONYMOUS
+        if self.admin is not None and hmac.compare_digest(authorization, self.admin):
+            return Role.ADMIN
+        if self.agent is not None and hmac.compare_digest(authorization, self.agent):
+            return Role.AGENT
+        return Role.ANONYMOUS
+
+    def check(self, path: str, authorization: bytes | None) -> None:
+        """Return if the request may go on; raise `Refusal` (401 or 403) if not."""
+        if self.open or path in self.public:
             return
-        given = b""
-        for k, v in scope["headers"]:
-            if k == b"authorization":
-                given = v
-                break
-        if hmac.compare_digest(given, self.expected):
-            await self.app(scope, receive, send)
-            return
-        message = (
-            "Missing API key: send `Authorization: Bearer <key>`."
-            if not given
-            else "Incorrect API key provided."
-        )
-        body = error_body(401, message, code="invalid_api_key")
-        await send({"type": "http.response.start", "status": 401, "headers": _HEADERS})
-        await send({"type": "http.response.body", "body": body})
+        admin_route = is_admin_path(path)
+        if not admin_route and self.agent is None:
+            return  # only the admin key is set: agent routes stay open
+        role = self.role(authorization)
+        if role is Role.ANONYMOUS:
+            if authorization:
+                raise Refusal(401, "Incorrect API key provided.", "invalid_api_key")
+            raise Refusal(401, "Missing API key: send `Authorization: Bearer <key>`.", "invalid_api_key")
+        if admin_route and role is not Role.ADMIN:
+            if self.admin is None:
+                message = (
+                    f"{path} is an operator route and this proxy has no operator key: set "
+                    "RLPROXY_ADMIN_KEY on the proxy and send it as `Authorization: Bearer <admin key>`."
+                )
+            else:
+                message = f"{path} is an operator route: send the admin key, not the agents' key."
+            raise Refusal(403, message, "admin_key_required")

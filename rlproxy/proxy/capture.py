@@ -6,6 +6,8 @@ To train on the tokens the model really sampled, the proxy needs vLLM's `return_
 When the client did not ask for them they are injected upstream and stripped from what it receives:
 a stripped field is set back to `null`, which is exactly what vLLM sends when it was not asked (it
 serializes unrequested fields as explicit nulls, in streams too). Only those fields are touched.
+The stored `prompt_token_ids` is one list, or one list per choice when a batched /v1/completions
+gave its choices different prompts (`choice_prompts`).
 
 Streams are assembled chunk by chunk into the non-streaming shape for the store (text, tool-call
 deltas, token ids, logprobs, finish reason, usage), while the chunks themselves go on to the client.
@@ -84,12 +86,23 @@ class Captured:
     completion_tokens: int | None = None
 
 
+def choice_prompts(top: list | None, per_choice: list[list | None]) -> list | None:
+    """The stored `prompt_token_ids`: one list when every choice has the same prompt (chat, n > 1),
+    else one list per choice (a batched /v1/completions `prompt: [...]`: each choice has its own)."""
+    if top is not None:
+        return top
+    found = [p for p in per_choice if p is not None]
+    if not found:
+        return None
+    if len(found) == len(per_choice) and all(p == found[0] for p in found):
+        return found[0]
+    return list(per_choice)
+
+
 def from_response(resp: dict, endpoint: str, inj: Injected) -> Captured:
     """Capture a non-streaming response, then strip it for the client (in place: it is also stored)."""
     choices = resp.get("choices") or []
-    prompt_ids = resp.get("prompt_token_ids")
-    if prompt_ids is None and choices:
-        prompt_ids = choices[0].get("prompt_token_ids")
+    prompt_ids = choice_prompts(resp.get("prompt_token_ids"), [c.get("prompt_token_ids") for c in choices])
     cap = Captured(
         prompt_token_ids=prompt_ids,
         token_ids=[c.get("token_ids") for c in choices],
@@ -234,9 +247,7 @@ class StreamAssembler:
             "choices": out,
             "usage": self.usage,
         }
-        prompt_ids = self.prompt_token_ids
-        if prompt_ids is None and choices:
-            prompt_ids = choices[0].prompt_token_ids
+        prompt_ids = choice_prompts(self.prompt_token_ids, [ch.prompt_token_ids for ch in choices])
         if not self.inj.token_ids and prompt_ids is not None:
             response["prompt_token_ids"] = prompt_ids
         cap = Captured(
@@ -250,9 +261,17 @@ class StreamAssembler:
             cap.prompt_tokens = self.usage.get("prompt_tokens")
             cap.completion_tokens = self.usage.get("completion_tokens")
         else:  # no usage chunk unless the client asked for one: count the captured tokens
-            cap.prompt_tokens = len(prompt_ids) if prompt_ids is not None else None
+            cap.prompt_tokens = _count_prompt_tokens(prompt_ids)
             cap.completion_tokens = sum(len(ch.token_ids) for ch in choices) if choices else None
         return cap
+
+
+def _count_prompt_tokens(prompt_ids: list | None) -> int | None:
+    if prompt_ids is None:
+        return None
+    if prompt_ids and isinstance(prompt_ids[0], list) or None in prompt_ids:  # one list per choice
+        return sum(len(p) for p in prompt_ids if p is not None)
+    return len(prompt_ids)
 
 
 def _merge_completion_logprobs(parts: list[dict]) -> dict:

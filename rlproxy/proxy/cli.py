@@ -57,7 +57,12 @@ def make_backend(settings: Settings):
     `--upstream URL` always means "attach": any server speaking vLLM's API (vLLM itself, or
     `rlproxy engine`) is driven through VLLMBackend. Without it, `vllm` launches a vLLM server and
     `embedded` runs the in-process engine.
+
+    The proxy->engine hop carries a key: a random per-process secret for an engine we start (it
+    never leaves this process and the one we launch), `upstream_api_key` for one we attach to.
     """
+    import secrets
+
     cache_dir = Path(settings.cache_dir).expanduser()
     if settings.backend == "vllm" or settings.upstream:
         from rlproxy.inference.vllm import VLLMBackend
@@ -71,6 +76,7 @@ def make_backend(settings: Settings):
             max_lora_rank=settings.max_lora_rank,
             extra_args=settings.vllm_args,
             startup_timeout=settings.vllm_startup_timeout,
+            api_key=settings.upstream_api_key if settings.upstream else secrets.token_urlsafe(32),
         )
     from rlproxy.inference.embedded import EmbeddedBackend
 
@@ -80,6 +86,7 @@ def make_backend(settings: Settings):
         port=settings.engine_port,
         threads=settings.engine_threads,
         max_batch=settings.engine_max_batch,
+        api_key=secrets.token_urlsafe(32),
     )
 
 
@@ -149,7 +156,12 @@ def serve(
     ] = None,
     group_size: Annotated[int | None, typer.Option(help="completed runs that make a group")] = None,
     groups_per_step: Annotated[int | None, typer.Option(help="groups per optimizer step")] = None,
-    api_key: Annotated[str | None, typer.Option(help="require Authorization: Bearer KEY")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="agents' key: OpenAI routes and rewards need Authorization: Bearer KEY")
+    ] = None,
+    admin_key: Annotated[
+        str | None, typer.Option(help="operators' key: all runs, stats, training steps, /metrics, dashboard")
+    ] = None,
     model_map: Annotated[
         str | None, typer.Option(help="name=policy,*=policy for hard-coded model names")
     ] = None,
@@ -174,6 +186,7 @@ def serve(
         group_size=group_size,
         groups_per_step=groups_per_step,
         api_key=api_key,
+        admin_key=admin_key,
         model_map=model_map,
         blocking_train=blocking_train,
     )
@@ -188,18 +201,11 @@ def serve(
 async def _serve(settings: Settings, access_log: bool, log_level: str) -> None:
     import uvicorn
 
+    from rlproxy.proxy import server as http_server
+
+    _raise_open_files(settings.max_connections + 256)  # each connection is a file descriptor
     application = build_app(settings)
-    config = uvicorn.Config(
-        application,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        access_log=access_log,
-        proxy_headers=False,  # X-Forwarded-* rewriting: unused here, and it runs on every request
-        log_level=log_level,
-        timeout_graceful_shutdown=10,
-    )
+    config = http_server.config(application, settings, access_log=access_log, log_level=log_level)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
@@ -213,12 +219,25 @@ async def _serve(settings: Settings, access_log: bool, log_level: str) -> None:
     await task
 
 
+def _raise_open_files(wanted: int) -> None:
+    """Raise the soft open-files limit toward `wanted` (at most the hard one): the cap binds, not EMFILE."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 @app.command()
 def engine(
     model: Annotated[str | None, typer.Option(help="smollm2-135m, tiny, or a HF model folder")] = None,
     host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="listen port")] = 8001,
     threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="require Authorization: Bearer KEY on every route but /health")
+    ] = None,
 ) -> None:
     """Serve the embedded engine alone (an OpenAI-compatible server with vLLM's adapter routes)."""
     try:
@@ -226,7 +245,7 @@ def engine(
     except ImportError:  # where the interface note first placed it
         from rlproxy.inference.server import run_engine
 
-    settings = make_settings(model=model, engine_threads=threads)
+    settings = make_settings(model=model, engine_threads=threads, api_key=api_key)
     _logging("info")
     run_engine(
         settings.model,
@@ -234,6 +253,7 @@ def engine(
         port=port,
         threads=settings.engine_threads,
         cache_dir=Path(settings.cache_dir).expanduser(),
+        api_key=settings.api_key,
     )
 
 
@@ -267,7 +287,10 @@ async def _train(settings: Settings) -> None:
     url = db.normalize_url(settings.db_url)
     await db.upgrade_async(url)
     backend = VLLMBackend(
-        settings.model, cache_dir=Path(settings.cache_dir).expanduser(), upstream=settings.upstream
+        settings.model,
+        cache_dir=Path(settings.cache_dir).expanduser(),
+        upstream=settings.upstream,
+        api_key=settings.upstream_api_key,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -316,16 +339,21 @@ def sql(
     query: Annotated[str, typer.Argument(help="the SQL to run (read-only)")],
     db: DbOpt = None,
     json_lines: Annotated[bool, typer.Option("--json", help="print JSON lines instead of a table")] = False,
+    timeout: Annotated[
+        float | None, typer.Option(help="seconds a statement may run [env RLPROXY_SQL_TIMEOUT, default 30]")
+    ] = None,
 ) -> None:
     """Run read-only SQL against the store (writes fail: the database is opened read-only)."""
-    settings = make_settings(db_url=db)
+    settings = make_settings(db_url=db, sql_timeout=timeout)
 
     async def execute() -> tuple[list[str], list[tuple]]:
         from sqlalchemy import text
 
         from rlproxy.storage import db as dbm
 
-        engine_ = dbm.create_engine(dbm.normalize_url(settings.db_url), readonly=True)
+        engine_ = dbm.create_engine(
+            dbm.normalize_url(settings.db_url), readonly=True, statement_timeout_s=settings.sql_timeout
+        )
         try:
             async with engine_.connect() as conn:
                 result = await conn.execute(text(query))
@@ -342,6 +370,8 @@ def sql(
         squashed = message.replace("-", "").replace(" ", "").lower()
         if "readonly" in squashed or "attacheddatabases" in squashed:
             message += " (rlproxy sql opens the database read-only: writes and ATTACH are refused)"
+        elif "interrupted" in squashed or "statementtimeout" in squashed:
+            message += f" (the statement ran past the {settings.sql_timeout:g} s limit: --timeout)"
         typer.echo(f"error: {message}", err=True)
         raise typer.Exit(1) from None
     if json_lines:

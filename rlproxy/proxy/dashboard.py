@@ -1,9 +1,10 @@
 """The dashboard: `GET /` serves one static page that reads the proxy's own JSON routes.
 
 No build step and nothing from a CDN: the page, its chart code and its script are files in
-`rlproxy/proxy/static/`, served as they are. The page holds no data, so it can be served without
-the API key; the script asks for the key (`?key=` or an input field) and sends it as a Bearer
-header to the JSON routes, which are protected like every other route.
+`rlproxy/proxy/static/`, served as they are. The page holds no data, so it is public; the script
+asks for the operators' key (`RLPROXY_ADMIN_KEY`; `?key=` or an input field) and sends it as a
+Bearer header to the JSON routes it reads (all runs, run stats, training steps), which are operator
+routes (see proxy/auth.py). Its requests are same-origin, so the guard's Origin check lets them by.
 """
 
 from __future__ import annotations

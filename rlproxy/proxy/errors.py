@@ -6,19 +6,27 @@ Caller mistakes are `APIError`s (they carry their status). Domain errors from `r
 mapped here once: backend unreachable 502, backend timeout 504, unknown run 404, conflicting reward
 409, anything else of ours 500. FastAPI's own validation and routing errors are re-rendered in the
 same shape so a client's OpenAI SDK can always parse what it gets.
+
+A 500 tells the client nothing about the failure (no exception text, no traceback, no SQL): it
+gets a generic message with an error id, and the log gets the id with the whole traceback. A
+client that went away mid-request is logged quietly and answered nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import secrets
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from rlproxy.errors import APIError, BackendTimeout, BackendUnavailable, RLProxyError
+from rlproxy.proxy.validate import ClientGone
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,8 @@ def status_of(exc: BaseException) -> int:
         return 404
     if name == "RewardConflict":
         return 409
+    if name == "StoreUnavailable":  # retryable: the store is behind or a run's stream still runs
+        return 503
     return 500
 
 
@@ -62,10 +72,29 @@ def render(exc: BaseException) -> Response:
     if isinstance(exc, APIError):
         return Response(orjson.dumps(exc.body()), status_code=exc.status, media_type=_JSON)
     status = status_of(exc)
-    code = {502: "upstream_unavailable", 504: "upstream_timeout", 404: "not_found", 409: "conflict"}.get(
-        status
+    if status == 500:
+        return internal_error(exc, "a request")
+    code = {
+        502: "upstream_unavailable",
+        503: "store_unavailable",
+        504: "upstream_timeout",
+        404: "not_found",
+        409: "conflict",
+    }.get(status)
+    response = error_response(status, str(exc) or type(exc).__name__, code=code)
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        response.headers["retry-after"] = str(max(1, math.ceil(retry_after)))
+    return response
+
+
+def internal_error(exc: BaseException, where: str) -> Response:
+    """A 500 that says nothing of `exc` to the client; the log gets it whole, under the same id."""
+    ref = secrets.token_hex(6)
+    logger.error("internal error %s on %s: %s", ref, where, type(exc).__name__, exc_info=exc)
+    return error_response(
+        500, f"The server had an error while processing your request (error id {ref}).", code="internal_error"
     )
-    return error_response(status, str(exc) or type(exc).__name__, code=code)
 
 
 def install(app: FastAPI) -> None:
@@ -75,7 +104,7 @@ def install(app: FastAPI) -> None:
         return render(exc)
 
     async def on_domain_error(request: Request, exc: Exception) -> Response:
-        if status_of(exc) >= 500:
+        if status_of(exc) > 500:
             logger.warning("%s %s failed: %s", request.method, request.url.path, exc)
         return render(exc)
 
@@ -97,11 +126,17 @@ def install(app: FastAPI) -> None:
         )
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return internal_error(exc, f"{request.method} {request.url.path}")
+
+    async def on_gone(request: Request, exc: Exception) -> Response:
+        # the client left (or a deadline closed its connection) before its body arrived: no one to answer
+        logger.info("%s %s: client gone before its request body arrived", request.method, request.url.path)
+        return Response(status_code=499)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RLProxyError, on_domain_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(ClientDisconnect, on_gone)
+    app.add_exception_handler(ClientGone, on_gone)
     app.add_exception_handler(Exception, on_unexpected)

@@ -1,7 +1,9 @@
 """Prometheus metrics of one proxy app (its own registry, so several apps can live in one process).
 
 Requests and errors by endpoint and outcome, latency and time-to-first-token histograms, and the
-writer's own figures (rows captured, write errors, queue depth) read at scrape time.
+writer's own figures read at scrape time: rows captured, write errors, dropped records, queue depth
+and bytes, how long the store has been stalled (and whether that makes it unhealthy), the crash
+journal's size and the records it could not take.
 """
 
 from __future__ import annotations
@@ -17,16 +19,78 @@ class _WriterCollector:
 
     def __init__(self) -> None:
         self.writer = None
+        self.unhealthy_after = 30.0
 
     def collect(self):
         w = self.writer
-        rows = CounterMetricFamily("rlproxy_captured_rows", "completions rows committed by the writer")
-        errors = CounterMetricFamily("rlproxy_write_errors", "failed write attempts of the writer")
-        depth = GaugeMetricFamily("rlproxy_write_queue_depth", "records waiting for the writer")
-        rows.add_metric([], float(getattr(w, "rows_written", 0) or 0))
-        errors.add_metric([], float(getattr(w, "write_errors", 0) or 0))
-        depth.add_metric([], float(getattr(w, "depth", 0) or 0))
-        return [rows, errors, depth]
+
+        def num(name: str) -> float:
+            return float(getattr(w, name, 0) or 0)
+
+        journal = getattr(w, "journal", None)
+        stalled = w.stalled_for() if w is not None else 0.0
+        out = []
+        for kind, name, doc, value in (
+            (
+                CounterMetricFamily,
+                "rlproxy_captured_rows",
+                "completions rows committed by the writer",
+                num("rows_written"),
+            ),
+            (
+                CounterMetricFamily,
+                "rlproxy_write_errors",
+                "failed write attempts of the writer",
+                num("write_errors"),
+            ),
+            (
+                CounterMetricFamily,
+                "rlproxy_write_dropped",
+                "completions the writer gave up on (unstorable; logged with their run id)",
+                num("dropped"),
+            ),
+            (GaugeMetricFamily, "rlproxy_write_queue_depth", "records waiting for the writer", num("depth")),
+            (
+                GaugeMetricFamily,
+                "rlproxy_write_queue_bytes",
+                "bytes of records waiting for the writer",
+                num("queue_bytes"),
+            ),
+            (
+                GaugeMetricFamily,
+                "rlproxy_store_stalled_seconds",
+                "seconds work has waited without a commit",
+                stalled,
+            ),
+            (
+                GaugeMetricFamily,
+                "rlproxy_store_healthy",
+                "0 while the store has not committed for over store_unhealthy_after s (/healthz is 503)",
+                0.0 if stalled > self.unhealthy_after else 1.0,
+            ),
+            (
+                GaugeMetricFamily,
+                "rlproxy_journal_bytes",
+                "bytes in the crash journal",
+                float(getattr(journal, "size", 0)),
+            ),
+            (
+                CounterMetricFamily,
+                "rlproxy_journal_skipped",
+                "completions not journaled (journal full or unwritable): a kill -9 could lose them",
+                float(getattr(journal, "skipped", 0)),
+            ),
+            (
+                CounterMetricFamily,
+                "rlproxy_journal_replayed",
+                "journal records stored on start",
+                num("replayed"),
+            ),
+        ):
+            family = kind(name, doc)
+            family.add_metric([], value)
+            out.append(family)
+        return out
 
 
 class Metrics:
@@ -58,8 +122,10 @@ class Metrics:
         r.register(self._writer)
         self._children: dict = {}
 
-    def attach_writer(self, writer) -> None:
+    def attach_writer(self, writer, unhealthy_after: float = 30.0) -> None:
+        """Report `writer`'s figures; the store counts as unhealthy after `unhealthy_after` s stalled."""
         self._writer.writer = writer
+        self._writer.unhealthy_after = unhealthy_after
 
     def observe(self, endpoint: str, status: str, latency_s: float, ttft_s: float | None = None) -> None:
         """Count one request (label children cached: this runs on every request)."""

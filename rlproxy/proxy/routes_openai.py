@@ -3,10 +3,12 @@
 `POST /v1/chat/completions` and `POST /v1/completions` (also under `/runs/{run_id}/v1/...`) are the
 hot path, served by `HotPath`, a pure ASGI app in front of FastAPI's router: the body is read as
 raw bytes and checked by hand (no pydantic model), rewritten for the upstream (model ->
-`{policy}@{step}`, capture fields injected), forwarded over `http11.Pool`, and answered with what
+`{policy}@{step}`, capture fields injected), forwarded over `forward.Upstream`, and answered with what
 the upstream said minus the injected fields, plus `X-Policy-Step`. A non-streaming completion is
 submitted to the writer just before its response is sent (`submit` only enqueues); a stream's after
-its last chunk. Every other `/v1/*` path goes through FastAPI and is relayed untouched.
+its last chunk. Every other `/v1/*` path goes through FastAPI and is relayed untouched, except the
+engine-management routes (`ENGINE_ONLY`, 403) and upstream redirects (502, never relayed). A hot
+route with a trailing slash (`/v1/chat/completions/`) is captured like the plain one.
 """
 
 from __future__ import annotations
@@ -48,13 +50,15 @@ class HotPath:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path = scope["path"]
-            endpoint, run_id = None, None
+            endpoint, run_id, tail = None, None, None
             if path.startswith("/v1/"):
-                endpoint = _ENDPOINTS.get(path[1:])
+                tail = path[1:]
             elif path.startswith("/runs/"):
                 _, _, rest = path.partition("/runs/")
                 run_id, _, tail = rest.partition("/")
-                endpoint = _ENDPOINTS.get(tail)
+            if tail is not None:
+                # a trailing slash names the same route: captured like it, never passed through
+                endpoint = _ENDPOINTS.get(tail) or (_ENDPOINTS.get(tail[:-1]) if tail[-1:] == "/" else None)
             if endpoint is not None:
                 try:
                     response = await complete(self.state, scope, receive, endpoint, run_id)
@@ -63,8 +67,7 @@ class HotPath:
                 except (APIError, RLProxyError) as exc:
                     response = errors.render(exc)
                 except Exception as exc:  # never let a bug take the connection down without an answer
-                    logger.exception("unhandled error on POST %s", path)
-                    response = errors.error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+                    response = errors.internal_error(exc, f"POST {path}")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -85,7 +88,7 @@ async def complete(px, scope, receive, endpoint: str, path_run_id: str | None) -
     if path_run_id is not None:
         run_id = path_run_id
     raw = await validate.read_body(receive, declared, px.settings.max_body_bytes)
-    body = validate.parse_body(raw)
+    body = validate.parse_body(raw, px.settings.max_json_depth)
     validate.check(body, endpoint)
     if run_id is not None:
         runkey.check_id(run_id)
@@ -93,8 +96,8 @@ async def complete(px, scope, receive, endpoint: str, path_run_id: str | None) -
         runkey.check_id(group_id, "group id")
     if not px.gate.is_open:
         await px.gate.wait()
-    if px.writer.depth >= px.writer.max_queue:
-        await px.writer.room()  # the store is behind: wait at its pace rather than queue without bound
+    if px.writer.full:  # the store is behind: wait at its pace (bounded, then 503 + Retry-After)
+        await px.writer.room(px.settings.store_wait_timeout)
     policy, step, upstream_model = px.policies.resolve(body.get("model"))
 
     upstream_body = dict(body)
@@ -194,11 +197,11 @@ def _relay(
     """A streaming answer: relay while assembling; store when it ends (however it ends)."""
     assembler = capture.StreamAssembler(rec.endpoint, inj)
 
-    def done(status: str, error: str | None, ttft: float | None) -> None:
+    def done(status: str, error: str | None, ttft: float | None, status_code: int) -> None:
         try:
             _fill(rec, assembler.result())
             rec.status = status
-            rec.status_code = resp.status_code if status != "cancelled" else 499
+            rec.status_code = status_code
             rec.error = (
                 error if error is not None else ("client disconnected" if status == "cancelled" else None)
             )
@@ -215,9 +218,36 @@ def _relay(
     return StreamRelay(resp, headers, assembler, inj, started, done)
 
 
+# vLLM's engine-management routes under /v1 (0.32: the other ones, /sleep, /collective_rpc,
+# /update_weights, ..., are outside /v1, which is all the pass-through serves). The trainer reaches
+# the engine directly; through the proxy no client, operator included, may change what is served.
+ENGINE_ONLY = frozenset({"load_lora_adapter", "unload_lora_adapter"})
+
+
 async def _pass(request: Request, path: str) -> Response:
+    if path.rstrip("/") in ENGINE_ONLY:
+        raise APIError(
+            403,
+            f"/v1/{path} manages the inference engine and is not served through the proxy "
+            "(the trainer loads adapters on the engine directly)",
+            code="engine_route_forbidden",
+        )
     px = request.app.state.proxy
-    return await px.upstream.relay(request, "/v1/" + path, px.drop_headers)
+    response = await px.upstream.relay(request, "/v1/" + path, px.drop_headers)
+    if 300 <= response.status_code < 400 and any(k == b"location" for k, _ in response.raw_headers):
+        # never hand a client the engine's address, nor follow it: the canonical path is the client's
+        async for _ in response.body_iterator:  # drained (a short body), so the connection goes back
+            pass
+        if response.background is not None:
+            await response.background()
+        raise APIError(
+            502,
+            f"the upstream answered /v1/{path} with a redirect ({response.status_code}); redirects are "
+            "not relayed: use the route's canonical path",
+            type="server_error",
+            code="upstream_redirect",
+        )
+    return response
 
 
 passthrough = APIRouter()

@@ -1,16 +1,17 @@
 """Rewards and the read side: runs, training steps, health and metrics.
 
-`POST /v1/runs/{run_id}/reward` first waits until no request of that run is still on its way to the
-writer (a stream is submitted after its last chunk, so the client can be quicker), then lets the
-writer store it: the writer commits the run's completions before the reward. Outcomes: stored 200,
-the same reward again 200 (`"stored": false`), unknown run 404, a different reward 409, a missing
-or non-finite reward 422.
+`POST /v1/runs/{run_id}/reward` first waits (up to `store_wait_timeout`) until no request of that
+run is still on its way to the writer (a stream still running), then lets the writer store it: the
+writer commits the run's completions before the reward. Outcomes: stored 200, the same reward again
+200 (`"stored": false`), unknown run 404, a different reward 409, a missing or non-finite reward
+422, a stream of the run still running or a store that cannot commit in time 503 + Retry-After
+(retryable: the reward was not stored, or a retry finds the same one).
 """
 
 from __future__ import annotations
 
-import json
 import math
+import time
 
 import orjson
 from fastapi import APIRouter, Request
@@ -18,6 +19,7 @@ from starlette.responses import Response
 
 from rlproxy.errors import APIError
 from rlproxy.proxy import runkey, validate
+from rlproxy.storage.errors import StoreUnavailable
 
 router = APIRouter()
 
@@ -63,20 +65,20 @@ async def post_reward(request: Request, run_id: str) -> Response:
     raw = await validate.read_body(
         request.receive, declared.encode() if declared else None, px.settings.max_body_bytes
     )
-    try:
-        body = validate.parse_body(raw)
-    except APIError:
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise APIError(
-                400, "We could not parse the JSON body of your request.", code="invalid_json"
-            ) from None
-        if not isinstance(body, dict):
-            raise APIError(422, "the request body must be a JSON object", code="invalid_type") from None
+    body = validate.parse_body(raw, px.settings.max_json_depth, non_finite=True)
     reward, metrics, metadata = parse_reward(body)
-    await px.inflight.wait_idle(run_id, px.settings.upstream_timeout)
-    stored = await px.writer.reward(run_id, reward, metrics, metadata)
+    # Acknowledged only once the run's completions are committed: a completion still streaming or a
+    # store that cannot commit within the bound is a 503 with Retry-After, never a late 200.
+    bound = px.settings.store_wait_timeout
+    deadline = time.monotonic() + bound
+    if not await px.inflight.wait_idle(run_id, bound):
+        raise StoreUnavailable(
+            f"run {run_id!r} has a completion still in flight (a stream not finished); "
+            "post the reward again once it has ended",
+            retry_after=1.0,
+        )
+    remaining = max(0.05, deadline - time.monotonic())
+    stored = await px.writer.reward(run_id, reward, metrics, metadata, timeout=remaining)
     return _json({"run_id": run_id, "reward": reward, "stored": stored})
 
 
@@ -136,19 +138,34 @@ async def training_steps(request: Request, policy: str | None = None, limit: int
 
 @router.get("/healthz")
 async def healthz(request: Request) -> Response:
-    """200 when the proxy and its upstream answer; 503 (with the reason) when the upstream does not."""
+    """200 when the proxy, its upstream and its store work; 503 with the reason when one does not.
+
+    The store is unhealthy when work has waited longer than `store_unhealthy_after` seconds without
+    a commit (a locked or unreachable database); `rlproxy_store_healthy` says the same on /metrics.
+    """
     px = request.app.state.proxy
     try:
         ok = await px.backend.health()
     except Exception:
         ok = False
+    writer = px.writer
+    stalled = writer.stalled_for()
+    store_ok = stalled <= px.settings.store_unhealthy_after
+    status = "ok" if ok and store_ok else ("upstream_unhealthy" if not ok else "store_unhealthy")
     body = {
-        "status": "ok" if ok else "upstream_unhealthy",
+        "status": status,
         "upstream": px.upstream.base_url,
         "policies": {p: px.policies.step(p) for p in sorted({px.policies.default, *px.policies.steps})},
-        "write_queue_depth": px.writer.depth,
+        "write_queue_depth": writer.depth,
+        "store": {
+            "status": "ok" if store_ok else "unhealthy",
+            "stalled_s": round(stalled, 3),
+            "queue_bytes": writer.queue_bytes,
+            "last_error": writer.last_error,
+            "dropped": writer.dropped,
+        },
     }
-    return _json(body, 200 if ok else 503)
+    return _json(body, 200 if ok and store_ok else 503)
 
 
 @router.get("/metrics")

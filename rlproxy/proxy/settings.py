@@ -22,10 +22,59 @@ class Settings(BaseSettings, TrainerConfig):
     host: str = Field("127.0.0.1", description="address the proxy listens on")
     port: int = Field(8000, ge=0, le=65535, description="port the proxy listens on (0 = any free port)")
     api_key: str | None = Field(
-        None, description="if set, every route but /healthz needs `Authorization: Bearer <key>`"
+        None,
+        description="agents' key: if set, the OpenAI routes, rewards and `GET /v1/runs/{id}` need "
+        "`Authorization: Bearer <key>` (see Security)",
+    )
+    # --- security ---
+    admin_key: str | None = Field(
+        None,
+        description="operators' key: all runs, stats, training steps, /metrics, the dashboard's data; "
+        "also valid wherever the agents' key is (see Security)",
+    )
+    upstream_api_key: str | None = Field(
+        None, description="bearer key sent to an attached upstream (`--upstream`); the client's is never forwarded"
+    )
+    allowed_hosts: str = Field(
+        "",
+        description="comma list of Host names served (no port; `*` = any); empty = localhost, 127.0.0.1, "
+        "[::1] when bound to loopback, else any (421 otherwise)",
+    )
+    cors_origins: str = Field(
+        "", description="comma list of browser origins (`https://app.example:8080`, `*`) allowed cross-origin"
     )
     max_body_bytes: int = Field(
-        8 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)"
+        8 * 1024 * 1024, ge=1024, description="largest request body accepted on any route, bytes (413 above)"
+    )
+    # --- limits (HTTP layer: every route, before any handler) ---
+    max_reward_body_bytes: int = Field(
+        64 * 1024, ge=1024, description="largest body of `POST /v1/runs/{id}/reward`, bytes (413 above)"
+    )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="largest request line + headers, bytes (431 and close above)"
+    )
+    max_headers: int = Field(100, ge=8, description="most request headers (431 and close above)")
+    max_json_depth: int = Field(
+        64, ge=2, le=200, description="deepest nesting of a JSON request body, levels (400 above)"
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="seconds from a request's first byte until its headers are in (408, close)"
+    )
+    body_timeout: float = Field(
+        60.0, gt=0, description="seconds from a request's headers until its whole body is in (408, close)"
+    )
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="seconds an idle connection (new or between requests) is kept open"
+    )
+    max_connections: int = Field(
+        2048, ge=1, description="open client connections; requests on more get 503 + Retry-After, then close"
+    )
+    max_concurrent_requests: int = Field(
+        1024, ge=1, description="requests in flight (streams included); more get 503 + Retry-After"
+    )
+    backlog: int = Field(2048, ge=1, description="connections the kernel queues before they are accepted")
+    sql_timeout: float = Field(
+        30.0, gt=0, description="seconds a `rlproxy sql` statement may run before it is interrupted"
     )
     # --- inference backend ---
     backend: Literal["embedded", "vllm"] = Field("embedded", description="inference server behind the proxy")
@@ -52,6 +101,16 @@ class Settings(BaseSettings, TrainerConfig):
         300.0, gt=0, description="seconds to wait for a launched vLLM's /health"
     )
     max_lora_rank: int = Field(8, ge=1, description="largest LoRA rank the backend must accept")
+    # --- upstream client ---
+    upstream_idle_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="seconds an upstream answer may send nothing between chunks before it is cut"
+        " (stored as an error, the client's stream ended)",
+    )
+    upstream_max_connections: int = Field(
+        256, ge=1, description="most open connections to the upstream (count); more requests wait for one"
+    )
     # --- store ---
     db_url: str = Field(
         "sqlite+aiosqlite:///rlproxy.db", description="SQLAlchemy URL (or a SQLite file path)"
@@ -61,6 +120,32 @@ class Settings(BaseSettings, TrainerConfig):
     )
     write_queue_max: int = Field(
         10_000, ge=1, description="uncommitted completions after which new requests wait for the store"
+    )
+    # --- capture durability ---
+    write_queue_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1,
+        description="bytes of uncommitted completions (request + response + tokens) after which new "
+        "requests wait for the store",
+    )
+    store_wait_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="seconds a request waits for room in the write queue, or a reward for its run's "
+        "streams and commit, before 503 + Retry-After",
+    )
+    store_unhealthy_after: float = Field(
+        30.0, gt=0, description="seconds without a commit while work waits, after which /healthz says 503"
+    )
+    journal_dir: str | None = Field(
+        None,
+        description="folder of the crash journal (completions appended before their last byte is sent, "
+        "replayed on start); default `<db file>.journal`, or under cache_dir for PostgreSQL; `off` disables",
+    )
+    journal_max_bytes: int = Field(
+        1024 * 1024 * 1024,
+        ge=4096,
+        description="largest crash journal, bytes (records past it are not journaled)",
     )
     run_expiry: float = Field(
         86400.0, gt=0, description="seconds after which an unrewarded open run is expired"

@@ -7,7 +7,11 @@ them (a partial event waits for its end, never longer). Every event is also fold
 
 The relay races the stream against the client's `http.disconnect`: a client that goes away cancels
 the relay task, which closes the upstream response (so the upstream aborts the generation) and
-stores the partial completion with status `cancelled`.
+stores the partial completion with status `cancelled` (499). However else a stream ends early it is
+stored as cut, never as `ok`: an upstream that drops the connection or sends nothing for
+`upstream_idle_timeout` is `error` (502/504) and the client's response is ended without its last
+chunk (the connection is closed, so the client can tell it from a clean end); a relay cancelled by
+the proxy's shutdown is `cancelled` (503) with the reason.
 """
 
 from __future__ import annotations
@@ -20,26 +24,28 @@ from collections.abc import Callable
 import orjson
 from starlette.responses import Response
 
+from rlproxy.errors import BackendError
 from rlproxy.proxy.capture import Injected, StreamAssembler, strip
+from rlproxy.proxy.errors import status_of
+from rlproxy.proxy.forward import UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
-
-class _UpstreamBroke(Exception):
-    """The upstream connection failed in the middle of a stream."""
+# (status, error, ttft seconds, HTTP status to store) -> None; stores the record
+Done = Callable[[str, "str | None", "float | None", int], None]
 
 
 class StreamRelay(Response):
-    """An ASGI response that relays `upstream` (an open `http11.Response`) and reports how it ended."""
+    """An ASGI response that relays `upstream` (headers read) and reports how it ended."""
 
     def __init__(
         self,
-        upstream,  # http11.Response, headers read
+        upstream: UpstreamResponse,
         headers: list[tuple[bytes, bytes]],
         assembler: StreamAssembler,
         inj: Injected,
         started: float,
-        done: Callable[[str, str | None, float | None], None],
+        done: Done,
     ) -> None:
         self.upstream = upstream
         self.status_code = upstream.status_code
@@ -48,7 +54,7 @@ class StreamRelay(Response):
         self.assembler = assembler
         self.inj = inj
         self.started = started
-        self.done = done  # (status, error, ttft seconds) -> None; stores the record
+        self.done = done
         self.ttft: float | None = None
         self.error: str | None = None
 
@@ -66,7 +72,7 @@ class StreamRelay(Response):
                     return
 
         watcher = asyncio.ensure_future(watch())
-        status = "ok"
+        status, code = "ok", self.upstream.status_code
         try:
             await send(
                 {
@@ -77,23 +83,27 @@ class StreamRelay(Response):
             )
             await self._relay(send)
         except asyncio.CancelledError:
-            if not state["disconnected"]:
+            if not state["disconnected"]:  # not the client: the proxy is shutting down
+                status, code = "cancelled", 503
+                self.error = "stream cut: the proxy shut down before the upstream finished"
                 raise
             task.uncancel()
-            status = "cancelled"
-        except _UpstreamBroke as exc:
-            status = "error"
-            self.error = f"upstream stream broke: {exc!r}"
+            status, code = "cancelled", 499
+        except BackendError as exc:  # the upstream dropped or stalled mid-stream
+            # returning without the final body makes the server close the connection: the
+            # client sees a cut stream (no terminating chunk), never a clean end
+            status, code = "error", status_of(exc)
+            self.error = f"upstream stream broke: {exc}"
             logger.warning("%s", self.error)
         except OSError:  # the server noticed the client's disconnect on write first
-            status = "cancelled"
+            status, code = "cancelled", 499
         finally:
             state["finished"] = True
             watcher.cancel()
             self.upstream.close()  # a cut stream closes the upstream connection: the upstream aborts
             if status == "ok" and self.error is not None:
                 status = "error"
-            self.done(status, self.error, self.ttft)
+            self.done(status, self.error, self.ttft, code)
 
     async def _relay(self, send) -> None:
         """Relay until the upstream's body ends; the last write also ends the response (one syscall)."""
@@ -101,10 +111,7 @@ class StreamRelay(Response):
         rewrite = self.inj.any
         upstream = self.upstream
         while True:
-            try:
-                data = await upstream.next_chunk()
-            except OSError as exc:  # the upstream dropped the connection mid-stream
-                raise _UpstreamBroke(str(exc) or type(exc).__name__) from exc
+            data = await upstream.next_chunk()  # BackendError if the upstream drops or stalls
             if data is None:
                 break
             buf += data

@@ -1,11 +1,15 @@
 """A quick check of the few request fields the proxy reads, without building a pydantic model.
 
 The upstream validates the rest. This only rejects what would make the proxy itself misbehave or
-what OpenAI's API rejects as a type error: 400 for a body that is not a JSON object, 422 (OpenAI's
-error shape, `param` naming the field) for a wrong type. Cheap on purpose: it runs on every request.
+what OpenAI's API rejects as a type error: 400 for a body that is not JSON or is nested deeper than
+`max_json_depth`, 422 (OpenAI's error shape, `param` naming the field) for a wrong type. Cheap on
+purpose: it runs on every request (the depth is walked only when the body has more brackets than
+the limit, which an ordinary request has not).
 """
 
 from __future__ import annotations
+
+import json
 
 import orjson
 
@@ -41,17 +45,48 @@ def _wrong(field: str, want: str) -> APIError:
     return APIError(422, f"{field}: must be {want}", param=field, code="invalid_type")
 
 
-def parse_body(raw: bytes) -> dict:
-    """The JSON object in `raw`; 400 if it is not JSON, 422 if it is JSON but not an object."""
+MAX_DEPTH = 64  # the default of `max_json_depth`; orjson itself cannot write past 254 levels
+
+
+def parse_body(raw: bytes, max_depth: int = MAX_DEPTH, non_finite: bool = False) -> dict:
+    """The JSON object in `raw`; 400 if it is not JSON or nests deeper than `max_depth` levels, 422 if
+    it is JSON but not an object. `non_finite`: also accept the NaN/Infinity literals orjson refuses
+    (so that a reward of NaN gets the 422 it deserves rather than a 400)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise APIError(
-            400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
-        ) from None
+        body = _loads_non_finite(raw) if non_finite else None
+        if body is None:
+            raise APIError(
+                400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+            ) from None
     if not isinstance(body, dict):
         raise APIError(422, "the request body must be a JSON object", code="invalid_type")
+    # nesting cannot exceed the number of brackets: count them in C before walking in Python
+    if raw.count(b"{") + raw.count(b"[") > max_depth and _deeper_than(body, max_depth):
+        raise APIError(400, f"the JSON body is nested deeper than {max_depth} levels", code="json_too_deep")
     return body
+
+
+def _loads_non_finite(raw: bytes) -> object | None:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _deeper_than(value: object, max_depth: int) -> bool:
+    """True if `value` holds containers nested more than `max_depth` deep (itself is level 1)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        for child in children:  # type: ignore[union-attr]
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
 
 
 def check(body: dict, endpoint: str) -> None:

@@ -1,4 +1,4 @@
-"""Storage outcomes a caller must handle (the HTTP layer maps them to 404 and 409)."""
+"""Storage outcomes a caller must handle (the HTTP layer maps them to 404, 409 and 503)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,12 @@ class RewardConflict(StorageError):
         self.run_id = run_id
         self.existing = existing
         self.new = new
+
+
+class StoreUnavailable(StorageError):
+    """The store cannot take more right now (its queue is full, a commit or a run's stream is
+    still pending past the wait bound): retryable, the HTTP layer answers 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -101,8 +101,14 @@ class Completion(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    capture_id: Mapped[str | None] = mapped_column(
+        String(64), comment="unique id the proxy gave the record (its crash-journal replay stores it once)"
+    )
 
-    __table_args__ = (UniqueConstraint("run_id", "seq", name="uq_completions_run_seq"),)
+    __table_args__ = (
+        UniqueConstraint("run_id", "seq", name="uq_completions_run_seq"),
+        Index("ux_completions_capture_id", "capture_id", unique=True),
+    )
 
 
 class TrainingStep(Base):

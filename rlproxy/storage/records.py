@@ -37,6 +37,7 @@ class CompletionRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     created_at: datetime | None = None  # UTC; the writer fills in now() when None
+    capture_id: str | None = None  # unique per record (the writer sets it): replays store it once
 
 
 # The record fields that are `completions` columns (group_id/default_group belong to the run).
@@ -61,4 +62,5 @@ COMPLETION_FIELDS: tuple[str, ...] = (
     "prompt_tokens",
     "completion_tokens",
     "created_at",
+    "capture_id",
 )

@@ -30,7 +30,7 @@ CREATE TABLE completions (
 	ttft_ms FLOAT /* time to first token (streams) */,
 	prompt_tokens INTEGER,
 	completion_tokens INTEGER,
-	created_at DATETIME NOT NULL,
+	created_at DATETIME NOT NULL, capture_id VARCHAR(64) /* unique id the proxy gave the record (its crash-journal replay stores it once) */,
 	PRIMARY KEY (id),
 	FOREIGN KEY(run_id) REFERENCES runs (id) ON DELETE CASCADE,
 	CONSTRAINT uq_completions_run_seq UNIQUE (run_id, seq)
@@ -77,6 +77,8 @@ CREATE INDEX ix_runs_group_id ON runs (group_id);
 CREATE INDEX ix_runs_status ON runs (status);
 
 CREATE INDEX ix_runs_status_group ON runs (status, group_id);
+
+CREATE UNIQUE INDEX ux_completions_capture_id ON completions (capture_id);
 
 CREATE VIEW messages AS
 SELECT c.run_id AS run_id, c.id AS completion_id, c.seq AS seq, CAST(m.key AS INTEGER) AS idx,

@@ -12,11 +12,17 @@ logged, counted and retried with backoff (a locked or unreachable database heals
 batch that keeps failing for a reason that retrying cannot fix is split, and only a single record
 that cannot be stored on its own is dropped (logged with its run id, counted in `dropped`).
 
-What a crash can lose: a completion is committed after its response reached the client, within
-`flush_interval` (50 ms by default) plus one transaction. A killed process loses at most what was
-queued in that window; committed rows survive it (WAL). With SQLite's synchronous=NORMAL, an OS
-crash or power cut can also roll back the last commits before the WAL was synced to disk.
-A reward is acknowledged (HTTP 200) only after it and its run's completions are committed.
+Bounded: past `max_queue` operations or `max_queue_bytes` bytes of uncommitted records (each one's
+serialized size: request, response, tokens) `room(timeout)` waits until the backlog is half drained
+and raises `StoreUnavailable` (HTTP 503, retryable) when `timeout` passes first; nothing queued is
+given up. `stalled_for()` says how long work has waited without a commit (the health check).
+
+What a crash can lose: nothing the client received in full. `submit` appends the record to the
+crash journal (`journal.py`, one `os.write`) before it is queued, and callers submit before the
+response's last byte is sent; `recover()` stores the journal's records on the next start, once
+each (`completions.capture_id` is unique). An OS crash or power cut can lose what the kernel had
+not yet written to disk: the journal's last seconds, and with SQLite's synchronous=NORMAL the last
+commits. A reward is acknowledged (HTTP 200) only after it and its run's completions are committed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -34,7 +41,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from rlproxy.errors import StorageError
 from rlproxy.storage.db import connect_write
-from rlproxy.storage.errors import RewardConflict, RunNotFound
+from rlproxy.storage.errors import RewardConflict, RunNotFound, StoreUnavailable
+from rlproxy.storage.journal import Journal, Segment, encode
 from rlproxy.storage.models import Completion, Run, RunStatus
 from rlproxy.storage.records import COMPLETION_FIELDS, CompletionRecord
 
@@ -45,6 +53,18 @@ COMPLETIONS = Completion.__table__
 # Attempts at a batch before a non-transient failure makes us split it into single records.
 SPLIT_AFTER = 3
 MAX_BACKOFF_S = 2.0
+
+
+class _Item:
+    """A queued completion: the record, its serialized size, its journal segment."""
+
+    __slots__ = ("rec", "size", "seg", "replayed")
+
+    def __init__(self, rec: CompletionRecord, size: int, seg: Segment | None, replayed: bool) -> None:
+        self.rec = rec
+        self.size = size
+        self.seg = seg
+        self.replayed = replayed  # from the journal: may be committed already (checked by capture_id)
 
 
 @dataclass
@@ -67,7 +87,7 @@ class _Stop:
     """The close() marker: everything queued before it is written, then the task ends."""
 
 
-_Op = CompletionRecord | _Reward | _Flush | _Stop
+_Op = _Item | _Reward | _Flush | _Stop
 
 
 class Writer:
@@ -80,12 +100,20 @@ class Writer:
         max_batch: int = 256,
         drain_timeout: float = 30.0,
         max_queue: int = 10_000,
+        max_queue_bytes: int = 256 << 20,
+        journal: Journal | None = None,
     ) -> None:
         self._engine = engine
-        # Backpressure: past `max_queue` uncommitted operations `room()` waits until the backlog is
-        # half drained, so a sustained overload slows requests to the database's pace instead of
-        # growing memory (and full garbage collections over the queued records) without bound.
+        # Backpressure: past `max_queue` uncommitted operations or `max_queue_bytes` bytes `room()`
+        # waits until the backlog is half drained, so a sustained overload slows requests to the
+        # database's pace instead of growing memory (and full garbage collections over the queued
+        # records) without bound.
         self.max_queue = max(1, max_queue)
+        self.max_queue_bytes = max(1, max_queue_bytes)
+        self.journal = journal
+        self._bytes = 0
+        self._progress_at = time.monotonic()  # last commit, or when the queue last became non-empty
+        self.last_error: str | None = None  # of the last failed transaction, cleared by a commit
         self._room = asyncio.Event()
         self._room.set()
         self.flush_interval = flush_interval
@@ -105,6 +133,7 @@ class Writer:
         self.rewards_written = 0
         self.write_errors = 0  # failed transaction attempts (each one retried)
         self.dropped = 0  # records given up on (logged); 0 unless a record cannot be stored at all
+        self.replayed = 0  # journal records stored on start (committed before the crash or not)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -113,28 +142,96 @@ class Writer:
         """Operations submitted and not yet committed (or dropped)."""
         return self._pending
 
+    @property
+    def queue_bytes(self) -> int:
+        """Serialized bytes of the completions submitted and not yet committed (or dropped)."""
+        return self._bytes
+
+    @property
+    def full(self) -> bool:
+        """True while new requests must wait for `room()` (the hot path's cheap check)."""
+        return not self._room.is_set()
+
+    def stalled_for(self) -> float:
+        """Seconds work has been waiting without a commit (0 when the queue is empty)."""
+        if self._pending == 0:
+            return 0.0
+        return max(0.0, time.monotonic() - self._progress_at)
+
     async def start(self) -> None:
         """Start the writer task (idempotent)."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="rlproxy-writer")
 
+    async def recover(self, timeout: float | None = None) -> int:
+        """Queue the journal's records left by a dead process, then wait (up to `timeout` seconds)
+        until they are committed. Records already in the store are skipped. Returns how many."""
+        if self.journal is None:
+            return 0
+        found = await asyncio.to_thread(self.journal.recover)
+        n = 0
+        for seg, records in found:
+            for rec in records:
+                self._enqueue(_Item(rec, 0, seg, True))
+                n += 1
+        if n:
+            log.info("journal: replaying %d records of a previous run", n)
+            try:
+                await asyncio.wait_for(self.flush(), timeout)
+            except TimeoutError:
+                log.warning("journal: the store is slow; %d replayed records still queued", self._pending)
+        return n
+
     def submit(self, rec: CompletionRecord) -> None:
-        """Queue a completion for storage. Never blocks, never raises."""
+        """Journal a completion, then queue it for storage. Never blocks, never raises.
+
+        Call it before the response's last byte goes out: once it returns, the record survives a
+        kill -9 of this process (see the module doc).
+        """
         if self._closing:
             self.dropped += 1
             log.error("writer is closed; completion of run %s not stored", rec.run_id)
             return
+        if rec.capture_id is None:
+            rec.capture_id = uuid.uuid4().hex
+        seg = None
+        try:
+            payload = encode(rec)
+        except TypeError as exc:  # the transaction will fail too; the writer counts the drop
+            log.error("writer: completion of run %s cannot be serialized: %s", rec.run_id, exc)
+            payload = b""
+        if self.journal is not None and payload:
+            try:
+                seg = self.journal.append(payload)
+            except OSError as exc:  # a full disk must not break the response
+                self.journal.skipped += 1
+                log.error("journal: append failed (%s); completion of run %s not journaled", exc, rec.run_id)
+        self._enqueue(_Item(rec, len(payload), seg, False))
+
+    def _enqueue(self, item: _Item) -> None:
+        if self._pending == 0:
+            self._progress_at = time.monotonic()
         self._pending += 1
-        self._queue.put_nowait(rec)
+        self._bytes += item.size
+        self._queue.put_nowait(item)
         if self._queue.qsize() >= self.max_batch:
             self._wake.set()
-        if self._pending >= self.max_queue:
+        if self._pending >= self.max_queue or self._bytes >= self.max_queue_bytes:
             self._room.clear()
 
-    async def room(self) -> None:
-        """Return at once unless the backlog is over `max_queue`; then wait until it is half drained."""
-        if not self._room.is_set():
-            await self._room.wait()
+    async def room(self, timeout: float | None = None) -> None:
+        """Return at once unless the backlog is over `max_queue` or `max_queue_bytes`; then wait
+        until it is half drained. Raises StoreUnavailable when `timeout` seconds pass first."""
+        if self._room.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._room.wait(), timeout)
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"the store is behind ({self._pending} records, {self._bytes} bytes not committed); "
+                "retry later",
+                retry_after=max(1.0, timeout or 1.0),
+            ) from None
 
     async def reward(
         self,
@@ -142,11 +239,14 @@ class Writer:
         reward: float,
         metrics: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> bool:
         """Store a run's reward once its earlier completions are committed.
 
         True: stored (the run becomes `completed`). False: this same reward was already stored.
-        Raises RunNotFound (no such run), RewardConflict (a different reward is stored).
+        Raises RunNotFound (no such run), RewardConflict (a different reward is stored),
+        StoreUnavailable (not committed within `timeout` seconds: the reward is withdrawn unless its
+        transaction had already begun, so a retry is safe either way).
         """
         if not math.isfinite(reward):
             raise ValueError("reward must be a finite number")
@@ -154,7 +254,13 @@ class Writer:
             raise StorageError("the writer is not running")
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._put_urgent(_Reward(run_id, float(reward), metrics, metadata, fut))
-        return await fut
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"the store did not commit the reward of run {run_id!r} within {timeout:g} s; retry later",
+                retry_after=max(1.0, timeout or 1.0),
+            ) from None
 
     async def flush(self) -> None:
         """Wait until everything submitted so far is committed (or given up on)."""
@@ -178,6 +284,8 @@ class Writer:
                 self._task = None
         if self._conn is not None:
             await self._discard_conn()
+        if self.journal is not None:
+            self.journal.close()
         self._closed = True
         log.info(
             "writer closed: %d rows written, %d errors, %d dropped",
@@ -189,6 +297,8 @@ class Writer:
     # -- the task -----------------------------------------------------------------------------
 
     def _put_urgent(self, op: _Op) -> None:
+        if self._pending == 0:
+            self._progress_at = time.monotonic()
         self._pending += 1
         self._urgent += 1
         self._queue.put_nowait(op)
@@ -205,16 +315,16 @@ class Writer:
                 try:
                     await self._write_with_retry(batch)
                 except Exception:  # the writer must outlive any bug in a batch
-                    log.exception("writer: unexpected failure; %d operations dropped", len(batch))
-                    self._give_up(batch, StorageError("the writer failed"))
-            if self._pending <= self.max_queue // 2 or stop:
+                    log.exception("writer: unexpected failure; %d operations given up", len(batch))
+                    self._give_up(batch, StorageError("the writer failed"), keep=True)
+            if (self._pending <= self.max_queue // 2 and self._bytes <= self.max_queue_bytes // 2) or stop:
                 self._room.set()
             if stop:
                 return
 
     async def _next_batch(self) -> list[_Op]:
         first = await self._queue.get()
-        if not isinstance(first, CompletionRecord):
+        if not isinstance(first, _Item):
             self._urgent -= 1
             return [first]
         if self._urgent == 0 and self._queue.qsize() + 1 < self.max_batch and self.flush_interval > 0:
@@ -230,7 +340,7 @@ class Writer:
             except asyncio.QueueEmpty:
                 break
             batch.append(op)
-            if not isinstance(op, CompletionRecord):
+            if not isinstance(op, _Item):
                 self._urgent -= 1
                 break  # a reward, flush or stop ends the batch: it must not wait for later records
         return batch
@@ -243,10 +353,11 @@ class Writer:
             except Exception as e:
                 attempt += 1
                 self.write_errors += 1
+                self.last_error = f"{type(e).__name__}: {e}"[:500]
                 await self._discard_conn()
                 for op in batch:  # re-read max(seq) next time: another process may have written
-                    if isinstance(op, CompletionRecord) and op.run_id is not None:
-                        self._next_seq.pop(op.run_id, None)
+                    if isinstance(op, _Item) and op.rec.run_id is not None:
+                        self._next_seq.pop(op.rec.run_id, None)
                 transient = _is_transient(e)
                 log.warning(
                     "writer: transaction of %d operations failed (attempt %d, %s): %s",
@@ -263,13 +374,17 @@ class Writer:
                     self._give_up(batch, e)
                     return
                 if self._close_deadline is not None and time.monotonic() > self._close_deadline:
-                    self._give_up(batch, e)
+                    self._give_up(batch, e, keep=True)
                     return
                 await asyncio.sleep(min(0.05 * 2 ** (attempt - 1), MAX_BACKOFF_S))
                 continue
+            self._progress_at = time.monotonic()
+            self.last_error = None
             for op, outcome in zip(batch, results, strict=True):
                 self._pending -= 1
-                if isinstance(op, _Flush) and not op.future.done():
+                if isinstance(op, _Item):
+                    self._resolved(op)
+                elif isinstance(op, _Flush) and not op.future.done():
                     op.future.set_result(True)
                 elif isinstance(op, _Reward) and not op.future.done():
                     if isinstance(outcome, BaseException):
@@ -278,18 +393,29 @@ class Writer:
                         op.future.set_result(bool(outcome))
             return
 
-    def _give_up(self, batch: list[_Op], err: BaseException) -> None:
+    def _resolved(self, item: _Item) -> None:
+        self._bytes -= item.size
+        if item.seg is not None and self.journal is not None:
+            self.journal.resolve(item.seg)
+
+    def _give_up(self, batch: list[_Op], err: BaseException, keep: bool = False) -> None:
+        """Stop trying `batch`. keep=True (closing): journaled records stay for the next start."""
         for op in batch:
             self._pending -= 1
-            if isinstance(op, _Reward):
+            if isinstance(op, _Item):
+                if keep and op.seg is not None:
+                    self._bytes -= op.size
+                    log.warning("writer: completion of run %s left to the journal: %s", op.rec.run_id, err)
+                    continue
+                self._resolved(op)
+                self.dropped += 1
+                log.error("writer: dropped a completion of run %s: %s", op.rec.run_id, err)
+            elif isinstance(op, _Reward):
                 if not op.future.done():
                     op.future.set_exception(StorageError(f"reward of run {op.run_id} not stored: {err}"))
             elif isinstance(op, _Flush):
                 if not op.future.done():
                     op.future.set_result(False)
-            else:
-                self.dropped += 1
-                log.error("writer: dropped a completion of run %s: %s", getattr(op, "run_id", None), err)
 
     async def _discard_conn(self) -> None:
         conn, self._conn = self._conn, None
@@ -306,10 +432,21 @@ class Writer:
         if self._conn is None:
             self._conn = await connect_write(self._engine)
         conn = self._conn
-        records = [op for op in batch if isinstance(op, CompletionRecord)]
+        items = [op for op in batch if isinstance(op, _Item)]
         next_seq = dict(self._next_seq)
         outcomes: list[Any] = []
         async with conn.begin():
+            replayed = [it.rec.capture_id for it in items if it.replayed and it.rec.capture_id]
+            if replayed:  # a journal record that was committed before the crash is stored once
+                have = set(
+                    (
+                        await conn.execute(
+                            select(COMPLETIONS.c.capture_id).where(COMPLETIONS.c.capture_id.in_(replayed))
+                        )
+                    ).scalars()
+                )
+                items = [it for it in items if not (it.replayed and it.rec.capture_id in have)]
+            records = [it.rec for it in items]
             await self._ensure_runs(conn, records, next_seq)
             now = datetime.now(UTC)
             rows = []
@@ -325,12 +462,13 @@ class Writer:
             if rows:
                 await conn.execute(insert(COMPLETIONS), rows)
             for op in batch:
-                if isinstance(op, _Reward):
+                if isinstance(op, _Reward) and not op.future.done():  # done: withdrawn (timed out)
                     outcomes.append(await self._apply_reward(conn, op, now))
                 else:
                     outcomes.append(None)
         self._next_seq = next_seq
         self.rows_written += len(rows)
+        self.replayed += sum(1 for it in items if it.replayed)
         self.rewards_written += sum(1 for o in outcomes if o is True)
         return outcomes
 

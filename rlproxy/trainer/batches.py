@@ -1,18 +1,22 @@
 """Stored completions -> samples -> padded tensors for the policy's forward pass.
 
 Every choice of every completion of a run is one sample carrying the run's advantage. Its input is
-the exact prompt the server saw plus the tokens it sampled (`prompt_token_ids` + `token_ids`), and
-the loss covers only the sampled tokens. A completion stored without token ids (an upstream that
-cannot return them) is rebuilt from its request and reply with the chat template, and counted: that
-is a fallback, retokenized text is not what the model sampled. Samples longer than `max_seq_len` are
+the exact prompt the server saw plus the tokens it sampled (`prompt_token_ids` + `token_ids`; a
+batched /v1/completions stores one prompt per choice), and the loss covers only the sampled tokens.
+A completion stored without token ids (an upstream that cannot return them) is rebuilt from its
+request and reply with the chat template, and counted: that is a fallback, retokenized text is not
+what the model sampled. Samples longer than `max_seq_len` are
 cut at the end and counted; a prompt that alone fills `max_seq_len` leaves nothing to learn from and
-is dropped, and counted.
+is dropped, and counted. So is a sample whose stored logprobs are broken (a null, -inf or a
+stand-in like -9999 for a token that was sampled, so cannot have had probability 0), one drawn more
+than `max_policy_lag` adapter steps ago, and, with `overlong_filter`, one cut by a length limit.
+Each sample keeps its request's sampling temperature: the policy trained is the tempered one.
 
 Layout (like TRL's): prompts left-padded to P, completions right-padded to C, so every completion
 starts at column P and the model only needs logits for the last C + 1 positions. The samples of a
 group usually share their prompt token for token; each distinct prompt is also kept once
 (`prompt_ids`, `prompt_index`) so the model can run it once per micro-batch instead of once per
-sample (see model.token_logprobs).
+sample (see model.completion_logits).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from rlproxy.storage.training import CompletionData, RunData
 
 log = logging.getLogger(__name__)
 
+LOGPROB_FLOOR = -1e3  # below this a sampled token's logprob is a stand-in for -inf (vLLM's -9999), not data
+GREEDY_BELOW = 1e-5  # the serving engines' cut-off: below it sampling is argmax, and trains as T = 1
+
 
 @dataclass
 class Sample:
@@ -40,6 +47,7 @@ class Sample:
     completion_ids: list[int]
     old_logprobs: list[float]  # NaN where the sampling logprob is unknown (then the ratio is taken as 1)
     policy_step: int = 0  # adapter step that sampled it (0 = base model)
+    temperature: float = 1.0  # the request's sampling temperature
     rebuilt: bool = False
     truncated: bool = False
 
@@ -53,6 +61,9 @@ class SampleCounts:
     truncated: int = 0
     dropped: int = 0
     missing_logprobs: int = 0  # samples whose stored logprobs were absent or did not match the tokens
+    invalid_logprobs: int = 0  # samples left out: a stored logprob null, non-finite or below LOGPROB_FLOOR
+    stale: int = 0  # samples left out: drawn more than max_policy_lag adapter steps ago
+    overlong: int = 0  # samples left out by overlong_filter
     sampled_tokens: int = 0
 
     def metrics(self) -> dict[str, float]:
@@ -74,6 +85,7 @@ class Batch:
     prompt_ids: Tensor | None = None  # (U, P) the U distinct prompts, left-padded
     prompt_mask: Tensor | None = None  # (U, P)
     prompt_index: Tensor | None = None  # (B,) row of each sample's prompt in prompt_ids
+    temperature: Tensor | None = None  # (B,) sampling temperatures; None when all are 1
 
     @property
     def shared_prompts(self) -> bool:
@@ -92,6 +104,7 @@ class Batch:
 def rebuild_with_template(tokenizer: Any, comp: CompletionData, choice: int) -> tuple[list[int], list[int]]:
     """Prompt and completion token ids of a completion stored without them, via the chat template."""
     request, response = comp.request or {}, comp.response or {}
+    prompt: Any = None  # token ids, when a completions request sent them instead of text
     choices = response.get("choices") or []
     picked = choices[choice] if choice < len(choices) else {}
     if "messages" in request:
@@ -109,50 +122,97 @@ def rebuild_with_template(tokenizer: Any, comp: CompletionData, choice: int) -> 
             completion_text = reply.get("content") or ""
     else:
         prompt = request.get("prompt") or ""
-        prompt_text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # batched prompts
+            prompt = prompt[min(choice // max(int(request.get("n") or 1), 1), len(prompt) - 1)]
+        prompt_text, prompt = (prompt, None) if isinstance(prompt, str) else ("", prompt)
         completion_text = picked.get("text") or ""
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return encode(prompt_text), encode(completion_text)
+    return (list(prompt) if isinstance(prompt, list) else encode(prompt_text)), encode(completion_text)
+
+
+def prompt_ids(comp: CompletionData, choice: int) -> list[int] | None:
+    """The prompt of one choice: the stored list, or its own entry when there is one list per choice."""
+    p = comp.prompt_token_ids
+    if p and isinstance(p[0], list | None):  # a batched /v1/completions: one prompt per choice
+        return list(p[choice]) if choice < len(p) and p[choice] is not None else None
+    return list(p) if p is not None else None
+
+
+def sampling_temperature(request: dict[str, Any] | None, default: float = 1.0) -> float:
+    """The temperature a completion was sampled at: the request's, else the server's `default`.
+
+    Greedy requests (T ~ 0) train the untempered policy (T = 1): argmax has no distribution to divide.
+    """
+    t = (request or {}).get("temperature")
+    t = default if t is None else float(t)
+    return t if t >= GREEDY_BELOW else 1.0
+
+
+def _finish_reason(comp: CompletionData, choice: int) -> str | None:
+    choices = (comp.response or {}).get("choices") or []
+    return choices[choice].get("finish_reason") if choice < len(choices) else None
 
 
 def _old_logprobs(comp: CompletionData, choice: int, n: int) -> list[float] | None:
+    """The stored sampling logprobs of a choice; None when absent, NaN entries where broken."""
     lps = (comp.logprobs or [None])[choice] if comp.logprobs and choice < len(comp.logprobs) else None
     if lps is None or len(lps) != n:
         return None
-    # orjson stores -inf as null: an unknown logprob, not a certain one
-    return [float(x) if x is not None and math.isfinite(float(x)) else math.nan for x in lps]
+    # orjson stores -inf as null; servers send -9999 for -inf: the token was sampled, so neither is data
+    return [float(x) if x is not None and LOGPROB_FLOOR < float(x) < math.inf else math.nan for x in lps]
 
 
 def usable(comp: CompletionData) -> bool:
     """True when a completion holds something the model sampled: token ids, or at least a reply."""
     if comp.status == "error":
         return False
-    if comp.prompt_token_ids is not None and any(comp.token_ids or []):
+    if comp.prompt_token_ids and any(comp.token_ids or []):
         return True
     return bool((comp.response or {}).get("choices"))
 
 
 def build_samples(
-    runs: list[RunData], advantages: dict[str, float], tokenizer: Any, max_seq_len: int
+    runs: list[RunData],
+    advantages: dict[str, float],
+    tokenizer: Any,
+    max_seq_len: int,
+    *,
+    current_step: int = 0,
+    max_policy_lag: int | None = None,
+    overlong_filter: bool = False,
+    default_temperature: float = 1.0,
 ) -> tuple[list[Sample], SampleCounts]:
-    """One sample per choice of every completion of every run, with the run's advantage."""
+    """One sample per choice of every completion of every run, with the run's advantage.
+
+    `current_step` is the adapter step being trained (a sample's lag is current_step - its policy_step);
+    `default_temperature` is the server's, for requests that did not set one.
+    """
     samples: list[Sample] = []
     counts = SampleCounts()
     for run in runs:
         for comp in run.completions:
             if not usable(comp):
                 continue
+            if max_policy_lag is not None and current_step - (comp.policy_step or 0) > max_policy_lag:
+                counts.stale += len(comp.token_ids or []) or 1
+                continue
             n_choices = max(len(comp.token_ids or []), len((comp.response or {}).get("choices") or []), 1)
             for choice in range(n_choices):
                 tokens = comp.token_ids[choice] if comp.token_ids and choice < len(comp.token_ids) else None
-                if comp.prompt_token_ids is not None and tokens is not None:
-                    prompt, completion, rebuilt = list(comp.prompt_token_ids), list(tokens), False
+                prompt = prompt_ids(comp, choice)
+                if prompt is not None and tokens is not None:
+                    completion, rebuilt = list(tokens), False
                     old = _old_logprobs(comp, choice, len(completion))
                 else:
                     prompt, completion = rebuild_with_template(tokenizer, comp, choice)
                     rebuilt, old = True, None
                 if not completion:
                     continue  # nothing sampled (e.g. cancelled before the first token)
+                if old is not None and any(math.isnan(x) for x in old):
+                    # like verl's veto: the record does not describe its sampler, so no ratio of it is trusted
+                    counts.invalid_logprobs += 1
+                    log.warning("run %s: a sampled token has no valid logprob; sample left out", run.run_id)
+                    continue
                 if old is None:
                     counts.missing_logprobs += 1
                     old = [math.nan] * len(completion)
@@ -165,6 +225,9 @@ def build_samples(
                         len(prompt),
                     )
                     continue
+                if overlong_filter and (truncated or _finish_reason(comp, choice) == "length"):
+                    counts.overlong += 1  # DAPO: a cut answer's reward says little about its tokens
+                    continue
                 if truncated:
                     keep = max_seq_len - len(prompt)
                     completion, old = completion[:keep], old[:keep]
@@ -176,6 +239,7 @@ def build_samples(
                         completion_ids=completion,
                         old_logprobs=old,
                         policy_step=comp.policy_step or 0,
+                        temperature=sampling_temperature(comp.request, default_temperature),
                         rebuilt=rebuilt,
                         truncated=truncated,
                     )
@@ -207,6 +271,8 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         old_logp[i, :c] = torch.tensor(s.old_logprobs, dtype=torch.float32)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P + C)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    temps = [s.temperature for s in samples]
+    temperature = torch.tensor(temps, dtype=torch.float32) if any(t != 1.0 for t in temps) else None
     distinct = list(dict.fromkeys(tuple(s.prompt_ids) for s in samples))
     row = {p: i for i, p in enumerate(distinct)}
     prompt_index = torch.tensor([row[tuple(s.prompt_ids)] for s in samples])
@@ -214,7 +280,7 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
     prompt_mask = attention_mask[:, :P][_first_rows(prompt_index, len(distinct))]  # (U, P)
     return Batch(
         input_ids, attention_mask, position_ids, completion_ids, mask, old_logp, adv, samples,
-        prompt_ids, prompt_mask, prompt_index,
+        prompt_ids, prompt_mask, prompt_index, temperature,
     )  # fmt: skip
 
 

@@ -151,7 +151,14 @@ def discard(checkpoint: Checkpoint) -> None:
 
 
 def load_optimizer(checkpoint: Checkpoint, optimizer: torch.optim.Optimizer) -> None:
-    """Restore AdamW's state saved with `checkpoint` (if present)."""
+    """Restore AdamW's moments saved with `checkpoint` (if present), keeping `optimizer`'s hyperparameters.
+
+    `load_state_dict` would also bring back the checkpoint's learning rate and weight decay; a restart
+    with new settings must train with them (they are what the step rows record).
+    """
     f = checkpoint.path / OPTIMIZER_FILE
     if f.is_file():
+        current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         optimizer.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
+        for group, settings in zip(optimizer.param_groups, current, strict=True):
+            group.update(settings)

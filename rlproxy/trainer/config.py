@@ -21,9 +21,37 @@ class TrainerConfig(BaseModel):
     scale_rewards: Literal["group", "none"] = Field(
         "group", description="divide advantages by the group's reward std (group) or not (none)"
     )
-    epsilon: float = Field(0.2, ge=0, description="lower clip range of the importance ratio")
+    epsilon: float | None = Field(
+        None,
+        ge=0,
+        description="lower clip range of the importance ratio; None = the loss's default "
+        "(0.2; gspo 3e-4, its sequence ratio moves far less than a token's)",
+    )
     epsilon_high: float | None = Field(
-        None, ge=0, description="upper clip range (dapo clip-higher); None = epsilon"
+        None,
+        ge=0,
+        description="upper clip range; None = epsilon when it is set, else the loss's default "
+        "(0.2; dapo 0.28 clip-higher; gspo 4e-4)",
+    )
+    ratio_cap: float | None = Field(
+        3.0,
+        gt=1,
+        description="dual-clip bound C: a negative-advantage token's loss stops growing at ratio C "
+        "(stale or mismatched samples cannot take C x the gradient); None = off",
+    )
+    max_policy_lag: int | None = Field(
+        8,
+        ge=0,
+        description="samples drawn more than this many adapter steps ago are not trained on (counted "
+        "batch/stale; runs left with nothing are marked skipped); None = no limit",
+    )
+    sampling_logprobs: Literal["raw", "processed"] = Field(
+        "raw",
+        description="what the backend's stored logprobs are: raw = log_softmax(logits), vLLM's default "
+        "and the embedded engine's; processed = after temperature (vLLM --logprobs-mode processed_logprobs)",
+    )
+    overlong_filter: bool = Field(
+        False, description="leave out samples cut by max_tokens or max_seq_len (DAPO's overlong filtering)"
     )
     beta: float = Field(
         0.0, ge=0, description="KL penalty weight against the base model; 0 = no KL, no ref pass"
@@ -34,7 +62,9 @@ class TrainerConfig(BaseModel):
     # LoRA and optimizer
     lora_r: int = Field(8, ge=1, description="LoRA rank")
     lora_alpha: int = Field(16, ge=1, description="LoRA alpha (scale = alpha / r)")
-    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout")
+    lora_dropout: float = Field(
+        0.0, ge=0, lt=1, description="LoRA dropout (the base model's dropout is always off while training)"
+    )
     lora_target_modules: list[str] = Field(
         default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="module names that get LoRA weights",
@@ -43,6 +73,9 @@ class TrainerConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient-norm clip")
     micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward; bounds memory")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in backward: less memory, slower (prompts not shared)"
+    )
     seed: int = Field(0, description="torch seed of the trainer")
     # checkpoints and publishing
     checkpoint_dir: str = Field("checkpoints", description="folder holding {policy}/step-NNNN/ checkpoints")

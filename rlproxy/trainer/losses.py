@@ -3,9 +3,11 @@
 Read top to bottom, like the papers:
 
     advantages      A_i = (r_i - mean(r_group)) / (std(r_group) + eps)        (scale_rewards=group)
+    policy          log pi(y_t) = log_softmax(logits / T)[y_t], T the request's temperature (TRL, verl)
     log-ratio       log rho_t = log pi(y_t) - log pi_old(y_t)        (pi_old: the stored sampling logprobs)
     ratio           rho_t = exp(log rho_t)         gspo: rho = exp(mean_t log rho_t), one per sequence
     surrogate       l_t = -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A)
+    dual clip       l_t = min(l_t, -C A) where A < 0   (C = ratio_cap: stale samples cannot take C x the step)
     KL (k3)         kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (Schulman's k3, >= 0)
     per token       l_t + beta kl_t
     aggregation     grpo    mean over sequences of the per-sequence token mean
@@ -19,6 +21,7 @@ Nothing here knows about models, batches or storage; tests/trainer/test_losses.p
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -27,6 +30,53 @@ from torch import Tensor
 LossKind = Literal["grpo", "dr_grpo", "dapo", "gspo"]
 ADV_EPS = 1e-4  # TRL's epsilon: keeps A finite when a group's std is tiny
 ZERO_STD = 1e-6  # below this a group's rewards count as all equal
+# (epsilon, epsilon_high) each loss's paper uses: DAPO's clip-higher; GSPO's sequence ratio is a
+# geometric mean of token ratios, so it moves ~100x less than one token's and 0.2 would never clip
+CLIP_DEFAULTS: dict[str, tuple[float, float]] = {
+    "grpo": (0.2, 0.2),
+    "dr_grpo": (0.2, 0.2),
+    "dapo": (0.2, 0.28),
+    "gspo": (3e-4, 4e-4),
+}
+
+
+def clip_range(kind: LossKind, epsilon: float | None, epsilon_high: float | None) -> tuple[float, float]:
+    """(eps_low, eps_high) of the clipped surrogate: the settings where given, else the loss's defaults."""
+    low, high = CLIP_DEFAULTS[kind]
+    if epsilon is not None:
+        low = high = epsilon  # one epsilon given: symmetric unless epsilon_high says otherwise
+    return low, high if epsilon_high is None else epsilon_high
+
+
+def sampled_logprobs(logits: Tensor, targets: Tensor, temperature: Tensor | None = None) -> Tensor:
+    """log_softmax(logits / T) at `targets` (B, C), without materializing the (B, C, V) log-probabilities.
+
+    logits (B, C, V); temperature (B,) per sample, or None for T = 1 (the raw distribution).
+    """
+    logits = logits.float()
+    if temperature is not None:
+        logits = logits / temperature.to(logits).view(-1, 1, 1)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def behavior_logprobs(
+    logp: Tensor, raw_logp: Tensor, stored: Tensor, mode: Literal["raw", "processed"]
+) -> Tensor:
+    """The pi_old to divide by, given the stored sampling logprobs (NaN = unknown: ratio 1).
+
+    processed: the server stored log pi_T, the tempered policy that sampled: use it as is.
+    raw: it stored log_softmax(logits) before temperature, so the ratio's value is taken where both
+    sides are known, raw against raw, while its gradient stays that of the tempered policy:
+    logp - old = logp_T - sg(logp_T) + sg(raw - stored). At T = 1 both modes are the same.
+    """
+    logp = logp.detach()
+    old = stored if mode == "processed" else logp - (raw_logp.detach() - stored)
+    return torch.where(torch.isnan(stored), logp, old)
+
+
+def approx_kl(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """cleanrl's approximate KL(pi_old || pi) = E[(rho - 1) - log rho] over the masked tokens; >= 0."""
+    return masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
 
 
 def advantages(
@@ -78,12 +128,15 @@ def policy_loss(
     epsilon_high: float | None = None,
     beta: float = 0.0,
     max_len: int | None = None,
+    ratio_cap: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped surrogate loss of one batch and its metrics.
 
     logp (B, T) current log-probs of the sampled tokens (with grad); old_logp (B, T) the sampling
     log-probs stored with the completion; ref_logp (B, T) the base model's (only read when beta > 0);
-    adv (B,); mask (B, T). `max_len` is dr_grpo's constant normalizer (defaults to T).
+    adv (B,); mask (B, T). `max_len` is dr_grpo's constant normalizer (defaults to T). `ratio_cap` is
+    the dual-clip bound C > 1 (Ye et al. 2020): where A < 0 the loss is at most -C A, so a token whose
+    ratio exploded (a stale or mismatched sample) gets no gradient instead of ratio x the gradient.
     The returned loss is the mean over *this* batch; `batch_weight` says how to sum micro-batches.
     """
     eps_low, eps_high = epsilon, epsilon if epsilon_high is None else epsilon_high
@@ -101,6 +154,10 @@ def policy_loss(
     unclipped = ratio * a
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a
     per_token = -torch.min(unclipped, clipped)  # (B, T) or (B, 1) for gspo
+
+    # dual clip: with A < 0 the surrogate is unbounded in the ratio; cap the loss at C |A|
+    if ratio_cap is not None:
+        per_token = torch.where(a < 0, torch.minimum(per_token, -ratio_cap * a), per_token)
 
     # KL penalty towards the base model (k3), per token
     kl = k3_kl(logp, ref_logp) if (beta > 0 and ref_logp is not None) else None
@@ -124,13 +181,16 @@ def policy_loss(
         lr = log_ratio.expand_as(logp)
         low = ((r < 1 - eps_low) & (a < 0)).to(logp.dtype)
         high = ((r > 1 + eps_high) & (a > 0)).to(logp.dtype)
+        capped = (r > (ratio_cap or math.inf)) & (a < 0)
         metrics = {
             "loss/policy": loss.item(),
-            "kl/approx": masked_mean((r - 1) - lr, mask).item(),
+            "kl/approx": approx_kl(lr, mask).item(),
             "clip/low_frac": masked_mean(low, mask).item(),
             "clip/high_frac": masked_mean(high, mask).item(),
             "clip/frac": masked_mean(torch.maximum(low, high), mask).item(),
             "clip/ratio_mean": masked_mean(r, mask).item(),
+            "clip/ratio_max": (r * mask).max().item(),
+            "clip/dual_frac": masked_mean(capped.to(logp.dtype), mask).item(),
         }
         if kl is not None:
             metrics["kl/ref"] = masked_mean(kl, mask).item()

@@ -1,13 +1,14 @@
 """The policy being trained: the base model plus one LoRA adapter, and its log-probabilities.
 
-Loading goes through unsloth when CUDA and unsloth are both present (the `gpu` extra: faster
-kernels, less memory), otherwise plain transformers + peft. The reference model of the KL term is
-the same weights with the adapter switched off, so it costs no memory, only a forward pass.
+Plain transformers + peft on every device (an untested fast path is worse than none: `make gpu-check`
+runs a step on CUDA). Training mode without dropout, so the trainer's log-probabilities are the
+ones the server sampled from; on CUDA the weights are bf16 and the LM head fp32 (a bf16 head rounds
+log-probabilities by ~1e-2, the noise floor of every importance ratio). The reference model of the
+KL term is the same weights with the adapter switched off, so it costs no memory, only a forward.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from contextlib import nullcontext
 from typing import Any
@@ -18,6 +19,7 @@ from torch import Tensor
 from rlproxy.errors import ModelError
 from rlproxy.trainer.batches import Batch
 from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.losses import sampled_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -27,23 +29,35 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def use_unsloth() -> bool:
-    """True when CUDA and the unsloth package are both there."""
-    return torch.cuda.is_available() and importlib.util.find_spec("unsloth") is not None
-
-
 def load_policy(model_path: str, config: TrainerConfig, adapter_dir: str | None = None) -> tuple[Any, Any]:
     """(peft model, tokenizer) for `model_path` with a fresh LoRA adapter, or the one saved in `adapter_dir`.
 
-    The model is in train mode with only the LoRA weights trainable.
+    The model is in train mode with only the LoRA weights trainable and the base model's dropout off.
     """
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     device = pick_device()
-    if use_unsloth():
-        model, tokenizer = _load_unsloth(model_path, config, adapter_dir)
-    else:
-        model, tokenizer = _load_peft(model_path, config, adapter_dir, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are slow
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the base model from {model_path}: {exc}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    base.config.use_cache = False  # training never decodes; the KV cache only costs memory
+    disable_dropout(base)
+    if dtype != torch.float32:
+        fp32_lm_head(base)
+    if config.gradient_checkpointing:
+        # non-reentrant: gradients reach the LoRA weights without inputs that require grad
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(config.seed)  # LoRA's A matrices are random: same seed, same start
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    else:
+        model = get_peft_model(base, _lora_config(base, config))
     model.train()
     return model, tokenizer
 
@@ -65,59 +79,58 @@ def _lora_config(model: Any, config: TrainerConfig) -> Any:
     )
 
 
-def _load_peft(
-    model_path: str, config: TrainerConfig, adapter_dir: str | None, device: torch.device
-) -> tuple[Any, Any]:
-    from peft import PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout of `model` (modules, and attention dropout kept as a float attribute).
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are slow
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load the base model from {model_path}: {exc}") from exc
-    base.config.use_cache = False  # training never decodes; the KV cache only costs memory
-    torch.manual_seed(config.seed)  # LoRA's A matrices are random: same seed, same start
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
-    else:
-        model = get_peft_model(base, _lora_config(base, config))
-    return model, tokenizer
+    The server samples without dropout; a training forward with it would see another policy, and
+    every importance ratio would carry that noise (TRL's `disable_dropout`).
+    """
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
 
 
-def _load_unsloth(
-    model_path: str, config: TrainerConfig, adapter_dir: str | None
-) -> tuple[Any, Any]:  # pragma: no cover
-    from unsloth import FastLanguageModel
+def fp32_lm_head(model: Any) -> None:
+    """Compute the logits in fp32: a frozen fp32 copy of the LM head, fed fp32 hidden states.
 
-    model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=adapter_dir or model_path, max_seq_length=config.max_seq_len, load_in_4bit=False
+    A copy, so tied input embeddings stay in the model's dtype; the head is frozen (LoRA never
+    targets it), so the copy never drifts from the original.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        log.warning("LM head is %s, not a Linear: kept in %s", type(head).__name__, head.weight.dtype)
+        return
+    fp32 = torch.nn.Linear(
+        head.in_features, head.out_features, bias=head.bias is not None, device=head.weight.device
     )
-    if adapter_dir is None:
-        lora = _lora_config(model, config)
-        model = FastLanguageModel.get_peft_model(
-            model,
-            r=lora.r,
-            lora_alpha=lora.lora_alpha,
-            lora_dropout=lora.lora_dropout,
-            target_modules=list(lora.target_modules),
-            random_state=config.seed,
-            use_gradient_checkpointing="unsloth",
-        )
-    return model, tokenizer
+    with torch.no_grad():
+        fp32.weight.copy_(head.weight)
+        if head.bias is not None:
+            fp32.bias.copy_(head.bias)
+    fp32.requires_grad_(False)
+    fp32.register_forward_pre_hook(lambda _m, args: (args[0].float(), *args[1:]))
+    model.config.tie_word_embeddings = False  # a later tie_weights() must not put the bf16 one back
+    model.set_output_embeddings(fp32)
 
 
-def token_logprobs(model: Any, batch: Batch) -> Tensor:
-    """Log-probabilities (B, C) the model gives the batch's sampled tokens.
+def gradient_checkpointing(model: Any) -> bool:
+    """True when the model recomputes activations in backward (then no KV cache survives a forward)."""
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def completion_logits(model: Any, batch: Batch) -> Tensor:
+    """Logits (B, C, V) at the positions that predict the batch's sampled tokens.
 
     When samples share a prompt (a group's runs start from the same task), each distinct prompt
     runs once and its keys/values are fanned out to the samples that share it; the gradient flows
     back through the fan-out, so the result and its gradient are the same as running every sample
-    whole, for (B - U) x P fewer token positions.
+    whole, for (B - U) x P fewer token positions. Gradient checkpointing keeps no KV cache, so
+    with it every sample runs whole.
     """
-    if batch.shared_prompts and batch.completion_len > 1:
-        return _shared_prompt_logprobs(model, batch)
+    if batch.shared_prompts and batch.completion_len > 1 and not gradient_checkpointing(model):
+        return _shared_prompt_logits(model, batch)
     device = next(model.parameters()).device
     C = batch.completion_len
     out = model(
@@ -127,11 +140,10 @@ def token_logprobs(model: Any, batch: Batch) -> Tensor:
         logits_to_keep=C + 1,  # the prompt's logits are never needed (the LM head is costly)
         use_cache=False,
     )
-    logits = out.logits[:, :-1, :]  # (B, C, V): position P-1+t predicts completion token t
-    return _gather_logprobs(logits, batch.completion_ids.to(device))
+    return out.logits[:, :-1, :]  # (B, C, V): position P-1+t predicts completion token t
 
 
-def _shared_prompt_logprobs(model: Any, batch: Batch) -> Tensor:
+def _shared_prompt_logits(model: Any, batch: Batch) -> Tensor:
     device = next(model.parameters()).device
     P, C = batch.prompt_ids.shape[1], batch.completion_len
     index = batch.prompt_index.to(device)
@@ -155,14 +167,13 @@ def _shared_prompt_logprobs(model: Any, batch: Batch) -> Tensor:
         past_key_values=cache,
         use_cache=True,
     )
-    logits = torch.cat([first.logits[index, -1:, :], rest.logits], dim=1)  # (B, C, V)
-    return _gather_logprobs(logits, batch.completion_ids.to(device))
+    return torch.cat([first.logits[index, -1:, :], rest.logits], dim=1)  # (B, C, V)
 
 
-def _gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """log_softmax(logits) at `targets` (B, C), without materializing the (B, C, V) log-probabilities."""
-    logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+def token_logprobs(model: Any, batch: Batch) -> Tensor:
+    """Log-probabilities (B, C) of the batch's sampled tokens, each sample's at its temperature."""
+    logits = completion_logits(model, batch)
+    return sampled_logprobs(logits, batch.completion_ids.to(logits.device), batch.temperature)
 
 
 @torch.no_grad()
@@ -176,3 +187,10 @@ def reference_logprobs(model: Any, batch: Batch) -> Tensor:
 def trainable_parameters(model: Any) -> list[torch.nn.Parameter]:
     """The LoRA weights (what the optimizer updates)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def default_temperature(model: Any) -> float:
+    """The temperature the server samples at when a request sets none: the model's generation config's
+    (the embedded engine, and vLLM's `--generation-config auto`), else 1."""
+    t = getattr(getattr(model, "generation_config", None), "temperature", None)
+    return float(t) if t is not None else 1.0

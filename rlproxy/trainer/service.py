@@ -48,10 +48,12 @@ from rlproxy.trainer import checkpoint as ckpt
 from rlproxy.trainer.batches import usable
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.model import load_policy
-from rlproxy.trainer.step import StepResult, make_optimizer, train_step
+from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, train_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+NONFINITE_RETRIES = 3  # the same runs giving a non-finite step this many times in a row are marked failed
 
 
 @dataclass
@@ -98,6 +100,8 @@ class TrainerService:
         self._lock = asyncio.Lock()  # one step (or recovery) at a time
         self._unloads: set[asyncio.Task[None]] = set()
         self.steps_done = 0
+        self.steps_skipped = 0  # steps not taken: loss or gradient not finite
+        self._nonfinite: dict[frozenset[str], int] = {}
         self.last_metrics: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -184,6 +188,8 @@ class TrainerService:
                     self.config,
                     learner.step,
                 )
+                if result.skipped:  # weights and optimizer untouched: nothing to save or publish
+                    return await self._skipped(policy, run_ids, result)
                 # 3. checkpoint: adapter + optimizer + trainer state, atomically, before any publishing
                 state = {
                     "run_ids": run_ids,
@@ -204,6 +210,10 @@ class TrainerService:
                     learner.optimizer,
                     state,
                 )
+            except StaleRuns as exc:
+                n = await mark_runs(engine, run_ids, RunStatus.skipped)
+                log.warning("marked %d run(s) skipped: %s", n, exc)
+                return None
             except BaseException:
                 # the weights may be half-updated: the next step reloads the last checkpoint
                 self._learners.pop(policy, None)
@@ -211,6 +221,7 @@ class TrainerService:
             finally:
                 self._train_state(False)
             learner.step = step
+            self._nonfinite.pop(frozenset(run_ids), None)
 
             # 4. publish: backend.load_adapter -> commit (exactly once) -> on_publish flips the alias
             result.metrics["perf/step_seconds"] = time.perf_counter() - t0
@@ -220,6 +231,29 @@ class TrainerService:
             self.last_metrics = out
             self.steps_done += 1
             return out
+
+    async def _skipped(self, policy: str, run_ids: list[str], result: StepResult) -> None:
+        """A step with a non-finite loss or gradient: counted and logged; its runs stay trainable,
+        unless the same runs failed NONFINITE_RETRIES times in a row (then `failed`, so they cannot
+        block the queue)."""
+        self.steps_skipped += 1
+        self.last_metrics = {"policy": policy, "step": None, **result.metrics}
+        key = frozenset(run_ids)
+        tries = self._nonfinite[key] = self._nonfinite.get(key, 0) + 1
+        if tries >= NONFINITE_RETRIES:
+            self._nonfinite.pop(key)
+            n = await mark_runs(self._db(), run_ids, RunStatus.failed)
+            log.warning("marked %d run(s) failed: %d non-finite steps in a row", n, tries)
+        else:
+            log.warning(
+                "%s: step skipped (%d so far): loss %s, grad norm %s not finite; %d run(s) stay trainable",
+                policy,
+                self.steps_skipped,
+                result.metrics.get("loss/total"),
+                result.metrics.get("loss/grad_norm"),
+                len(run_ids),
+            )
+        return None
 
     async def _select_runs(self) -> list[RunData]:
         """The runs of the next step with their completions; runs with nothing usable become `failed`."""

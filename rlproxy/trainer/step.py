@@ -4,11 +4,18 @@ Synchronous torch code: the service calls it from its one trainer thread, never 
 The phases run in a fixed order, one comment each: advantages → batch → reference log-probs (only
 with a KL term) → forward/backward with gradient accumulation → clip → optimizer step → log.
 The math lives in `losses.py`.
+
+A step whose loss or gradient norm is not finite changes nothing (no optimizer step: the service
+then neither checkpoints nor publishes, and its runs stay trainable); `step/skipped_nonfinite` says so.
+Samples drawn by the weights being trained (lag 0) must agree with their stored logprobs: when their
+approximate KL is far from 0 the backend's logprob mode is not `sampling_logprobs` (or it truncates
+with top-p/top-k), and `kl/lag0` with a warning says so.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +25,23 @@ import torch
 from rlproxy.errors import TrainerError
 from rlproxy.storage.training import RunData
 from rlproxy.trainer import losses
-from rlproxy.trainer.batches import Batch, build_samples, micro_batches
+from rlproxy.trainer.batches import build_samples, micro_batches
 from rlproxy.trainer.config import TrainerConfig
-from rlproxy.trainer.model import reference_logprobs, token_logprobs, trainable_parameters
+from rlproxy.trainer.model import (
+    completion_logits,
+    default_temperature,
+    reference_logprobs,
+    trainable_parameters,
+)
 
 log = logging.getLogger(__name__)
+
+LAG0_MISMATCH_KL = 0.02  # per token; bf16 serving vs fp32 training stays ~1e-3, a mode mismatch far above
+LAG0_MIN_TOKENS = 16  # fewer lag-0 tokens are too few to judge
+
+
+class StaleRuns(TrainerError):
+    """Every sample of a step was drawn more than `max_policy_lag` adapter steps ago."""
 
 
 @dataclass
@@ -35,6 +54,7 @@ class StepResult:
     mean_reward: float
     loss: float
     metrics: dict[str, float]
+    skipped: bool = False  # the loss or the gradient was not finite: no optimizer step was taken
 
 
 def make_optimizer(model: Any, config: TrainerConfig) -> torch.optim.Optimizer:
@@ -59,6 +79,7 @@ def train_step(
     """
     started = time.perf_counter()
     model.train()
+    eps_low, eps_high = losses.clip_range(config.loss, config.epsilon, config.epsilon_high)
 
     # 1. advantages: each run's reward normalized within its group
     group_ids = list(dict.fromkeys(r.group_id for r in runs))
@@ -68,7 +89,18 @@ def train_step(
     adv_of = {r.run_id: float(a) for r, a in zip(runs, adv.tolist(), strict=True)}
 
     # 2. batch: every sampled completion is a sample carrying its run's advantage
-    samples, counts = build_samples(runs, adv_of, tokenizer, config.max_seq_len)
+    samples, counts = build_samples(
+        runs,
+        adv_of,
+        tokenizer,
+        config.max_seq_len,
+        current_step=current_step,
+        max_policy_lag=config.max_policy_lag,
+        overlong_filter=config.overlong_filter,
+        default_temperature=default_temperature(model),
+    )
+    if not samples and counts.stale:
+        raise StaleRuns(f"all {counts.stale} samples of {len(runs)} runs are older than max_policy_lag")
     if not samples:
         raise TrainerError(f"none of {len(runs)} runs has a completion to train on")
     batches = micro_batches(samples, config.micro_batch_size, tokenizer.pad_token_id)
@@ -85,9 +117,15 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss_total = 0.0
     sums: dict[str, float] = {}
+    lag0_kl, lag0_tokens = 0.0, 0.0
     for batch, ref_logp in zip(batches, ref, strict=True):
-        logp = token_logprobs(model, batch)  # (B, C)
-        old_logp = _old_or_current(batch, logp)
+        logits = completion_logits(model, batch)  # (B, C, V)
+        targets = batch.completion_ids.to(logits.device)
+        logp = losses.sampled_logprobs(logits, targets, batch.temperature)  # (B, C) the tempered policy
+        raw = logp if batch.temperature is None else losses.sampled_logprobs(logits.detach(), targets)
+        del logits
+        stored = batch.old_logp.to(logp.device)
+        old_logp = losses.behavior_logprobs(logp, raw, stored, config.sampling_logprobs)
         loss, m = losses.policy_loss(
             logp,
             old_logp,
@@ -95,10 +133,11 @@ def train_step(
             batch.advantages.to(logp.device),
             batch.mask.to(logp.device),
             kind=config.loss,
-            epsilon=config.epsilon,
-            epsilon_high=config.epsilon_high,
+            epsilon=eps_low,
+            epsilon_high=eps_high,
             beta=config.beta,
             max_len=config.max_seq_len,
+            ratio_cap=config.ratio_cap,
         )
         w = losses.batch_weight(config.loss, batch.mask, len(samples), total_tokens)
         (loss * w).backward()
@@ -106,12 +145,24 @@ def train_step(
         share = batch.num_tokens / max(total_tokens, 1)  # metrics: token-weighted means
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + v * share
+        # lag-0 samples were drawn by these very weights: their log-ratio must be ~0
+        now = torch.tensor([s.policy_step == current_step for s in batch.samples], device=logp.device)
+        known = batch.mask.to(logp.device) * now.unsqueeze(1) * ~torch.isnan(stored)  # (B, C)
+        if known.sum() > 0:
+            lag0_kl += losses.approx_kl((logp - old_logp).detach(), known).item() * known.sum().item()
+            lag0_tokens += known.sum().item()
 
     # 5. clip: one global grad-norm bound keeps a lucky group from blowing up the adapter
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), config.max_grad_norm)
 
-    # 6. optimizer step
-    optimizer.step()
+    # 6. optimizer step, only on a finite loss and gradient: one bad sample must not wreck the adapter
+    skipped = not (math.isfinite(loss_total) and math.isfinite(float(grad_norm)))
+    if skipped:
+        log.warning(
+            "step skipped: loss %s, grad norm %s not finite; weights unchanged", loss_total, float(grad_norm)
+        )
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
     # 7. log: the same numbers go to the progress line and training_steps.metrics
@@ -119,8 +170,25 @@ def train_step(
     lags = [current_step - s.policy_step for s in samples]
     input_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     metrics.update(sums)
+    lag0 = lag0_kl / lag0_tokens if lag0_tokens else 0.0
+    mismatch = lag0_tokens >= LAG0_MIN_TOKENS and lag0 > LAG0_MISMATCH_KL
+    if mismatch:
+        log.warning(
+            "samples drawn by these very weights disagree with their stored logprobs (approx KL %.4f over "
+            "%d tokens, expected ~0): the backend's logprobs are probably not sampling_logprobs=%s "
+            "(vLLM: --logprobs-mode raw_logprobs | processed_logprobs), or it truncates with top-p/top-k",
+            lag0,
+            lag0_tokens,
+            config.sampling_logprobs,
+        )
     metrics.update(
         {
+            "step/skipped_nonfinite": float(skipped),
+            "kl/lag0": lag0,
+            "kl/lag0_tokens": lag0_tokens,
+            "kl/logprob_mismatch": float(mismatch),
+            "clip/eps_low": eps_low,
+            "clip/eps_high": eps_high,
             "loss/total": loss_total,
             "loss/grad_norm": float(grad_norm),
             "perf/seconds": seconds,
@@ -139,10 +207,5 @@ def train_step(
         mean_reward=float(rewards.mean()),
         loss=loss_total,
         metrics=metrics,
+        skipped=skipped,
     )
-
-
-def _old_or_current(batch: Batch, logp: torch.Tensor) -> torch.Tensor:
-    """Stored sampling logprobs; where unknown (rebuilt samples), the current ones: ratio 1, on-policy."""
-    old = batch.old_logp.to(logp.device)
-    return torch.where(torch.isnan(old), logp.detach(), old)

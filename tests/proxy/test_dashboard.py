@@ -20,7 +20,8 @@ import pytest
 from rlproxy.proxy.dashboard import ASSETS, PUBLIC_PATHS
 
 STEPS = [(1, 0.1), (2, 0.35), (3, 0.5), (4, 0.8), (5, 0.9)]
-API_KEY = "dash-secret"
+API_KEY = "dash-secret"  # the agents' key: the live request below
+ADMIN_KEY = "dash-admin"  # the operators' key: the dashboard's data
 
 
 def _chromium() -> tuple[str, str] | None:
@@ -127,6 +128,7 @@ def proxy(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
         port=0,  # any free port, read back once started: no race with other processes
         train=False,
         api_key=API_KEY,
+        admin_key=ADMIN_KEY,
         engine_threads=1,
         checkpoint_dir=str(tmp / "checkpoints"),
     )
@@ -150,10 +152,17 @@ def test_page_and_assets_are_public(proxy):
         asset = httpx.get(f"{proxy.url}/dashboard/{src}")
         assert asset.status_code == 200 and "javascript" in asset.headers["content-type"]
     assert "http" not in page.text.split("<body>")[1].replace("http://www.w3.org", "")  # nothing from a CDN
-    auth = {"Authorization": f"Bearer {API_KEY}"}
-    for name in ("settings.py", "..%2Fsettings.py", "index.html"):  # only the listed scripts are served
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    for name in ("settings.py", "index.html"):  # only the listed scripts are served
         assert httpx.get(f"{proxy.url}/dashboard/{name}", headers=auth).status_code == 404
+    escaped = httpx.get(f"{proxy.url}/dashboard/..%2Fsettings.py", headers=auth)
+    assert escaped.status_code == 400  # not a canonical path
     assert httpx.get(f"{proxy.url}/v1/runs").status_code == 401  # the data stays protected
+    agent = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{proxy.url}/v1/runs", headers=agent).status_code == 403  # and is the operators'
+    page_reads = ("/v1/runs?limit=25", "/v1/runs/stats", "/v1/training/steps?limit=9", "/v1/runs/dash-run-3")
+    for path in page_reads:
+        assert httpx.get(f"{proxy.url}{path}", headers=auth).status_code == 200, path
     assert set(PUBLIC_PATHS) == {"/", "/dashboard/app.js", "/dashboard/chart.js"}
 
 
@@ -182,7 +191,7 @@ def test_dashboard_in_chromium(proxy, browser_paths, tmp_path):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     try:
-        driver.get(f"{proxy.url}/?key={API_KEY}&refresh=0")
+        driver.get(f"{proxy.url}/?key={ADMIN_KEY}&refresh=0")
         WebDriverWait(driver, 60).until(
             lambda d: (
                 d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "true"

@@ -83,7 +83,8 @@ def test_body_over_limit_without_content_length_is_413(proxy):
             yield b"y" * 1000
         yield b'"}]}'
 
-    _error(httpx.post(f"{proxy.url}/v1/chat/completions", content=chunks()), 413)
+    json_type = {"content-type": "application/json"}
+    _error(httpx.post(f"{proxy.url}/v1/chat/completions", content=chunks(), headers=json_type), 413)
 
 
 def test_unknown_model_is_404_with_a_hint(proxy):
@@ -116,7 +117,8 @@ def test_reward_unknown_run_is_404(proxy):
 )
 def test_reward_missing_or_non_finite_is_422(proxy, body):
     _one_completion(proxy, "r422")
-    _error(httpx.post(f"{proxy.url}/v1/runs/r422/reward", content=body), 422)
+    json_type = {"content-type": "application/json"}  # else 415 (tests/proxy/test_security.py)
+    _error(httpx.post(f"{proxy.url}/v1/runs/r422/reward", content=body, headers=json_type), 422)
 
 
 def test_reward_conflict_409_and_same_again_200(proxy):

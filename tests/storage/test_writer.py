@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.errors import StorageError
 from rlproxy.storage.db import create_engine, sqlite_path
-from rlproxy.storage.errors import RewardConflict, RunNotFound
+from rlproxy.storage.errors import RewardConflict, RunNotFound, StoreUnavailable
 from rlproxy.storage.records import CompletionRecord
 from rlproxy.storage.writer import Writer
 
@@ -266,3 +266,49 @@ async def test_backlog_over_max_queue_makes_room_wait(engine: AsyncEngine) -> No
     await w.close()
     assert w.rows_written == 10 and w.dropped == 0
     assert (await rows(engine, "SELECT count(*) FROM completions"))[0][0] == 10
+
+
+async def test_queue_is_capped_in_bytes_and_room_ends_in_503(engine: AsyncEngine) -> None:
+    """Issue 9 case 7: the cap counts bytes (not only records), and a wait for room is bounded:
+    StoreUnavailable (503 + Retry-After) instead of hanging; nothing queued is lost."""
+    w = Writer(engine, flush_interval=0.01, max_queue=10_000, max_queue_bytes=4000)
+    big = rec("r", 0)
+    big.request = {"messages": [{"role": "user", "content": "x" * 3000}]}
+    w.submit(big)
+    assert w.queue_bytes > 3000 and not w.full
+    w.submit(rec("r", 1))  # two records, over 4000 bytes: full although far under max_queue
+    assert w.full
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable) as info:  # not started: nothing drains
+        await w.room(0.3)
+    assert 0.25 < time.monotonic() - t0 < 2 and info.value.retry_after >= 1
+    assert w.stalled_for() > 0.25
+    await w.start()
+    await asyncio.wait_for(w.room(5), 10)
+    await w.close()
+    assert w.rows_written == 2 and w.queue_bytes == 0 and w.stalled_for() == 0
+
+
+async def test_reward_not_committed_in_time_is_withdrawn(migrated_url: str) -> None:
+    """Issue 9 case 7: a reward the store cannot commit within its bound is a StoreUnavailable, and
+    the withdrawn reward is not applied later behind the client's back."""
+    if not migrated_url.startswith("sqlite"):
+        pytest.skip("holds SQLite's write lock from another connection")
+    engine = create_engine(migrated_url, busy_timeout_ms=50)
+    w = Writer(engine, flush_interval=0)
+    await w.start()
+    w.submit(rec("r", 0))
+    await w.flush()
+    con = sqlite3.connect(sqlite_path(migrated_url), isolation_level=None)
+    con.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreUnavailable):
+            await w.reward("r", 1.0, timeout=0.3)
+    finally:
+        con.execute("COMMIT")
+        con.close()
+    await w.flush()
+    assert await rows(engine, "SELECT reward FROM runs") == [(None,)]
+    assert await w.reward("r", 2.0, timeout=10) is True
+    await w.close()
+    await engine.dispose()

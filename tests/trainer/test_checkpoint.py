@@ -96,3 +96,21 @@ def test_prune_keeps_newest(tiny_model_dir: Path, tmp_path: Path) -> None:
     last = ckpt.latest_checkpoint(tmp_path, "p")
     assert last is not None and last.step == 5
     assert json.loads((last.path / "trainer_state.json").read_text())["n"] == 5
+
+
+def test_resume_uses_the_new_optimizer_settings(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 16 bug 4: a restart with another learning rate or weight decay kept the checkpoint's."""
+    cfg = TrainerConfig(learning_rate=1e-2, weight_decay=0.0, checkpoint_dir=str(tmp_path), seed=0)
+    model, tok = load_policy(str(tiny_model_dir), cfg)
+    opt = make_optimizer(model, cfg)
+    train_step(model, tok, opt, runs(), cfg)
+    saved = ckpt.save_checkpoint(tmp_path, "p", 1, model, opt, {"run_ids": ["a", "b"]})
+
+    new = cfg.model_copy(update={"learning_rate": 3e-4, "weight_decay": 0.05})
+    model2, _ = load_policy(str(tiny_model_dir), new, adapter_dir=str(saved.path))
+    opt2 = make_optimizer(model2, new)
+    ckpt.load_optimizer(saved, opt2)
+    assert [(g["lr"], g["weight_decay"]) for g in opt2.param_groups] == [(3e-4, 0.05)]
+    # the moments are the checkpoint's
+    moments = [s["exp_avg"] for s in opt.state.values()]
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, opt2.state.values(), strict=True))

@@ -25,7 +25,16 @@ import math
 import pytest
 import torch
 
-from rlproxy.trainer.losses import advantages, batch_weight, k3_kl, policy_loss
+from rlproxy.trainer.losses import (
+    advantages,
+    approx_kl,
+    batch_weight,
+    behavior_logprobs,
+    clip_range,
+    k3_kl,
+    policy_loss,
+    sampled_logprobs,
+)
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]])
 OLD = torch.tensor([[-1.2, -1.0, -0.5], [-1.0, -0.5, 0.0]])
@@ -120,3 +129,89 @@ def test_batch_weight_sums_to_one() -> None:
     assert batch_weight("grpo", a, 4, 14) + batch_weight("grpo", b, 4, 14) == approx(1.0)
     assert batch_weight("dapo", a, 4, 14) == approx(12 / 14)
     assert batch_weight("dapo", b, 4, 14) == approx(2 / 14)
+
+
+def test_clip_range_defaults_per_loss() -> None:
+    """Issue 16 risk 7: GSPO's sequence ratio needs 3e-4/4e-4 (0.2 is never reached), DAPO clips higher."""
+    assert clip_range("grpo", None, None) == (0.2, 0.2)
+    assert clip_range("dr_grpo", None, None) == (0.2, 0.2)
+    assert clip_range("dapo", None, None) == (0.2, 0.28)
+    assert clip_range("gspo", None, None) == (3e-4, 4e-4)
+    assert clip_range("dapo", 0.1, None) == (0.1, 0.1)  # an explicit epsilon is symmetric ...
+    assert clip_range("gspo", 1e-3, 2e-3) == (1e-3, 2e-3)  # ... unless epsilon_high says otherwise
+    assert clip_range("dapo", None, 0.3) == (0.2, 0.3)
+
+
+def test_dual_clip_caps_negative_advantage_tokens() -> None:
+    """Issue 16 risk 6: with A < 0 the surrogate grows without bound in the ratio; dual clip caps it at C|A|.
+
+    Row 1 (A = -2), token 1 has ratio 1.3498588: its loss 2 x 1.3498588 = 2.6997176 > C|A| = 2.4 at C = 1.2
+    -> grpo = mean(-2.5678794 / 3, (1.6 + 2.4) / 2) = (-0.8559598 + 2.0) / 2 = 0.5720201.
+    """
+    loss, m = policy_loss(LOGP, OLD, None, ADV, MASK, kind="grpo", epsilon=0.2, ratio_cap=1.2)
+    assert loss.item() == approx(0.5720201)
+    assert m["clip/dual_frac"] == approx(0.2)
+    assert m["clip/ratio_max"] == approx(1.3498588)
+    loss, m = policy_loss(LOGP, OLD, None, ADV, MASK, kind="grpo", epsilon=0.2, ratio_cap=3.0)
+    assert loss.item() == approx(0.6469495) and m["clip/dual_frac"] == 0.0  # no ratio above 3: unchanged
+    # A > 0 is never capped: the clip already bounds it (row 0, ratio 1.22 > C = 1.1)
+    loss, _ = policy_loss(LOGP[:1], OLD[:1], None, ADV[:1], MASK[:1], kind="grpo", epsilon=0.2, ratio_cap=1.1)
+    assert loss.item() == approx(-2.5678794 / 3)
+
+
+def test_dual_clip_gradient_of_a_stale_token() -> None:
+    """A token with A = -1 and ratio 50: 50x the gradient uncapped, none with C = 3 (the default)."""
+    old = torch.tensor([[-3.0]])
+    for cap, loss_value, grad in ((None, 50.0, 50.0), (3.0, 3.0, 0.0)):
+        logp = (old + math.log(50.0)).requires_grad_(True)
+        loss, _ = policy_loss(logp, old, None, torch.tensor([-1.0]), torch.ones(1, 1), ratio_cap=cap)
+        loss.backward()
+        assert loss.item() == pytest.approx(loss_value, rel=1e-6)
+        assert logp.grad.item() == pytest.approx(grad, abs=1e-5)
+
+
+def test_sampled_logprobs_at_the_request_temperature() -> None:
+    """Issue 16 risk 5: the policy trained is softmax(logits / T), T the request's temperature (TRL, verl).
+
+    logits [1, 2, 0], target 1.  T = 1: 2 - log(e + e^2 + 1) = 2 - log 11.1073379 = -0.4076059
+                                  T = 2: 1 - log(e^0.5 + e + 1) = 1 - log 5.3670031 = -0.6802696
+    """
+    logits = torch.tensor([[[1.0, 2.0, 0.0]], [[1.0, 2.0, 0.0]]])  # (B=2, C=1, V=3)
+    targets = torch.tensor([[1], [1]])
+    raw = sampled_logprobs(logits, targets)
+    assert raw.flatten().tolist() == pytest.approx([-0.4076059] * 2, abs=1e-6)
+    tempered = sampled_logprobs(logits, targets, torch.tensor([2.0, 1.0]))
+    assert tempered.flatten().tolist() == pytest.approx([-0.6802696, -0.4076059], abs=1e-6)
+
+
+def test_behavior_logprobs_by_logprob_mode() -> None:
+    """The ratio's value: tempered against processed logprobs, raw against raw ones; its gradient: pi_T's.
+
+    logp_T = -0.6802696 (T = 2), raw = -0.4076059, stored = -0.5.
+    processed: old = -0.5                  -> log-ratio -0.1802696
+    raw:       old = logp_T - (raw - stored) = -0.7726637 -> log-ratio 0.0923941 = raw - stored
+    """
+    logits = torch.tensor([[[1.0, 2.0, 0.0]]], requires_grad=True)
+    targets = torch.tensor([[1]])
+    logp = sampled_logprobs(logits, targets, torch.tensor([2.0]))
+    raw = sampled_logprobs(logits, targets)
+    stored = torch.tensor([[-0.5]])
+    assert behavior_logprobs(logp, raw, stored, "processed").item() == approx(-0.5)
+    old = behavior_logprobs(logp, raw, stored, "raw")
+    assert old.item() == approx(-0.7726637)
+    assert (logp - old).item() == approx(0.0923941)
+    # the gradient is the tempered policy's score times the ratio: d/dlogits of exp(logp_T - old)
+    torch.exp(logp - old).sum().backward()
+    p_t = torch.softmax(torch.tensor([0.5, 1.0, 0.0]), -1)
+    expected = math.exp(0.0923941) * (torch.tensor([0.0, 1.0, 0.0]) - p_t) / 2.0
+    assert logits.grad.flatten().tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+    # unknown stored logprobs (NaN): ratio 1
+    unknown = behavior_logprobs(logp, raw, torch.tensor([[math.nan]]), "raw")
+    assert unknown.item() == approx(logp.item())
+
+
+def test_approx_kl() -> None:
+    lr = torch.tensor([[0.2, -1.0], [0.5, 9.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    expected = sum((math.exp(x) - 1) - x for x in (0.2, -1.0, 0.5)) / 3
+    assert approx_kl(lr, mask).item() == approx(expected)

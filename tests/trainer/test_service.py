@@ -230,3 +230,61 @@ async def test_runs_without_usable_completions_fail(
     st = await statuses(engine)
     assert st["A-err"] == ("failed", None)
     assert {st[f"A-{i}"] for i in range(3)} == {("completed", None)}
+
+
+async def test_non_finite_step_is_skipped_and_runs_stay_trainable(
+    engine: AsyncEngine, add_run: Any, db_url: str, tiny_model_dir: Path, config: TrainerConfig, monkeypatch
+) -> None:
+    """Issue 16 bug 3: a step with a non-finite gradient was checkpointed, published and committed."""
+    from rlproxy.trainer import service as service_mod
+
+    real = service_mod.train_step
+
+    def nan_step(model, *args, **kwargs):  # a forced non-finite gradient
+        param = next(p for p in model.parameters() if p.requires_grad)
+        hook = param.register_hook(lambda g: g * float("nan"))
+        try:
+            return real(model, *args, **kwargs)
+        finally:
+            hook.remove()
+
+    await add_group(engine, add_run, "A", [1.0, 0.0, 0.5, 0.25])
+    backend = RecordingBackend(tiny_model_dir)
+    svc = TrainerService(config, db_url, backend)
+    try:
+        monkeypatch.setattr(service_mod, "train_step", nan_step)
+        assert await svc.step_once() is None
+        assert svc.steps_skipped == 1 and svc.last_metrics["step/skipped_nonfinite"] == 1.0
+        assert backend.events == [] and ckpt.list_checkpoints(config.checkpoint_dir, "tiny") == []
+        assert {s for s, _ in (await statuses(engine)).values()} == {"completed"}  # still trainable
+        monkeypatch.setattr(service_mod, "train_step", real)
+        m = await svc.step_once()
+        assert m is not None and m["step"] == 1 and m["step/skipped_nonfinite"] == 0.0
+        # the same runs failing again and again are failed after NONFINITE_RETRIES, not retried forever
+        await add_group(engine, add_run, "B", [1.0, 0.0, 0.5, 0.25], seed=5)
+        monkeypatch.setattr(service_mod, "train_step", nan_step)
+        for _ in range(service_mod.NONFINITE_RETRIES):
+            assert await svc.step_once() is None
+    finally:
+        await svc.stop()
+    st = await statuses(engine)
+    assert {st[f"A-{i}"] for i in range(4)} == {("trained", 1)}
+    assert {st[f"B-{i}"] for i in range(4)} == {("failed", None)}
+
+
+async def test_stale_runs_are_skipped(
+    engine: AsyncEngine, add_run: Any, db_url: str, tiny_model_dir: Path, config: TrainerConfig
+) -> None:
+    """Issue 16 risk 6: samples older than max_policy_lag adapter steps are not trained on."""
+    config = config.model_copy(update={"max_policy_lag": 1})
+    svc = TrainerService(config, db_url, RecordingBackend(tiny_model_dir))
+    try:
+        for step, gid in enumerate(["A", "B"], start=1):  # sampled by step 0, trained at lag 0 and 1
+            await add_group(engine, add_run, gid, [1.0, 0.0, 0.5, 0.25], seed=step)
+            assert (await svc.step_once())["step"] == step
+        await add_group(engine, add_run, "C", [1.0, 0.0, 0.5, 0.25], seed=3)  # lag 2 at step 3
+        assert await svc.step_once() is None
+    finally:
+        await svc.stop()
+    st = await statuses(engine)
+    assert {st[f"C-{i}"] for i in range(4)} == {("skipped", None)}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,13 @@ import torch
 from rlproxy.storage.training import CompletionData, RunData
 from rlproxy.trainer.batches import build_samples, collate
 from rlproxy.trainer.config import TrainerConfig
-from rlproxy.trainer.model import load_policy, reference_logprobs, token_logprobs
+from rlproxy.trainer.model import (
+    fp32_lm_head,
+    gradient_checkpointing,
+    load_policy,
+    reference_logprobs,
+    token_logprobs,
+)
 from rlproxy.trainer.step import make_optimizer, train_step
 
 PROMPT = [5, 17, 42, 99, 7]
@@ -127,3 +136,153 @@ def test_shared_prompts_same_logprobs_and_gradients(tiny_model_dir: Path, config
     (lp1, g1), (lp2, g2) = results
     assert torch.allclose(lp1, lp2, atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(g1, g2, strict=True))
+
+
+def lora_weights(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+def randomize_lora(model) -> None:
+    with torch.no_grad():  # a non-zero adapter, so the prompt's LoRA path matters
+        torch.manual_seed(1)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+
+
+def test_gradient_checkpointing_same_gradients(tiny_model_dir: Path, config: TrainerConfig) -> None:
+    """Issue 16 bug 2: under gradient checkpointing the shared-prompt path raised (no KV cache with grads).
+
+    With it on, every sample runs whole: same log-probabilities and gradients as without.
+    """
+    runs = [
+        run("a", 1.0, GOOD),
+        run("b", 0.0, BAD),
+        run("c", 0.5, [30, 31]),
+        run("d", 0.2, [8, 9], prompt=[4, 6]),
+    ]
+    results = []
+    for on in (False, True):
+        model, tok = load_policy(
+            str(tiny_model_dir), config.model_copy(update={"gradient_checkpointing": on})
+        )
+        assert gradient_checkpointing(model) == on
+        randomize_lora(model)
+        samples, _ = build_samples(runs, {r.run_id: r.reward for r in runs}, tok, 512)
+        batch = collate(samples, tok.pad_token_id)
+        assert batch.shared_prompts
+        logp = token_logprobs(model, batch)
+        (logp * batch.mask * torch.tensor([[1.0], [-2.0], [0.5], [3.0]])).sum().backward()
+        results.append(
+            (logp.detach() * batch.mask, [p.grad.clone() for p in model.parameters() if p.requires_grad])
+        )
+        # and a whole step runs
+        assert not train_step(model, tok, make_optimizer(model, config), runs, config).skipped
+    (lp1, g1), (lp2, g2) = results
+    assert torch.allclose(lp1, lp2, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(g1, g2, strict=True))
+
+
+def test_non_finite_gradient_skips_the_step(tiny_model_dir: Path, config: TrainerConfig, caplog) -> None:
+    """Issue 16 bug 3: a step whose gradient norm is not finite was applied (and published) anyway."""
+    model, tok = load_policy(str(tiny_model_dir), config)
+    opt = make_optimizer(model, config)
+    runs = [run("a", 1.0, GOOD), run("b", 0.0, BAD)]
+    before = lora_weights(model)
+    param = next(p for p in model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda g: g * float("nan"))
+    result = train_step(model, tok, opt, runs, config)
+    assert result.skipped and result.metrics["step/skipped_nonfinite"] == 1.0
+    assert "step skipped" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, lora_weights(model), strict=True))
+    assert not opt.state  # AdamW never stepped: its moments are untouched too
+    hook.remove()
+    result = train_step(model, tok, opt, runs, config)  # still trainable
+    assert not result.skipped and result.metrics["step/skipped_nonfinite"] == 0.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, lora_weights(model), strict=True))
+
+
+def test_stand_in_logprob_does_not_wreck_the_adapter(tiny_model_dir: Path, config: TrainerConfig) -> None:
+    """Issue 16 bug 3: a stored -9999 gave an infinite ratio; the step was applied, the weights NaN."""
+    model, tok = load_policy(str(tiny_model_dir), config)
+    opt = make_optimizer(model, config)
+    runs = [run("a", 1.0, GOOD, [-1.0, -9999.0, -1.0, -1.0]), run("b", 0.0, BAD, [-1.0, -1.0, -1.0])]
+    result = train_step(model, tok, opt, runs, config)
+    assert result.metrics["batch/invalid_logprobs"] == 1.0 and result.num_tokens == 3
+    assert not result.skipped and math.isfinite(result.loss)
+    assert all(torch.isfinite(w).all() for w in lora_weights(model))
+
+
+def test_temperature_semantics_and_logprob_mode_mismatch(
+    tiny_model_dir: Path, config: TrainerConfig, caplog
+) -> None:
+    """Issue 16 risk 5: at lag 0 the stored logprobs must match; a wrong logprob mode is flagged, not silent.
+
+    The server sampled at T = 0.25 and stored raw logprobs (vLLM's default, the embedded engine's).
+    sampling_logprobs=raw: ratio exactly 1, no warning. processed: the tempered policy against raw
+    logprobs: far from 1, `kl/logprob_mismatch` and a warning.
+    """
+    model, tok = load_policy(str(tiny_model_dir), config)
+    randomize_lora(model)
+    toks = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
+    samples, _ = build_samples([run("a", 0, toks[0]), run("b", 0, toks[1])], {"a": 0, "b": 0}, tok, 512)
+    with torch.no_grad():
+        raw = token_logprobs(
+            model, collate(samples, tok.pad_token_id)
+        )  # no temperature: the raw distribution
+
+    def runs() -> list[RunData]:
+        out = [
+            run(rid, r, t, raw[i].tolist())
+            for i, (rid, r, t) in enumerate([("a", 1.0, toks[0]), ("b", 0.0, toks[1])])
+        ]
+        for r in out:
+            r.completions[0].request = {"temperature": 0.25}
+        return out
+
+    no_step = config.model_copy(update={"learning_rate": 1e-12})
+    m = train_step(model, tok, make_optimizer(model, no_step), runs(), no_step).metrics
+    assert m["clip/ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m["kl/lag0"] == pytest.approx(
+        0.0, abs=1e-6
+    )
+    assert m["kl/lag0_tokens"] == 20.0 and m["kl/logprob_mismatch"] == 0.0
+    assert "disagree with their stored logprobs" not in caplog.text
+
+    wrong = no_step.model_copy(update={"sampling_logprobs": "processed"})
+    m = train_step(model, tok, make_optimizer(model, wrong), runs(), wrong).metrics
+    assert m["kl/lag0"] > 0.02 and m["kl/logprob_mismatch"] == 1.0
+    assert "disagree with their stored logprobs" in caplog.text
+    # a sample of an older adapter is not lag 0: it cannot be judged
+    m = train_step(model, tok, make_optimizer(model, wrong), runs(), wrong, current_step=1).metrics
+    assert m["kl/lag0_tokens"] == 0.0 and m["kl/logprob_mismatch"] == 0.0
+
+
+def test_dropout_is_off_while_training(tiny_model_dir: Path, tmp_path: Path, config: TrainerConfig) -> None:
+    """Issue 16 risk 7: dropout in the training forward made every ratio noisy (serving has none)."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "attention_dropout": 0.5}))
+    model, tok = load_policy(str(folder), config)
+    assert model.training
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    samples, _ = build_samples([run("a", 0.0, GOOD)], {"a": 0.0}, tok, 512)
+    batch = collate(samples, tok.pad_token_id)
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(model, batch), token_logprobs(model, batch))
+
+
+def test_fp32_lm_head(tiny_model_dir: Path) -> None:
+    """Issue 16 risk 7: on GPU (bf16 weights) the logits come from an fp32 copy of the LM head."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    fp32_lm_head(model)
+    assert model.get_output_embeddings().weight.dtype == torch.float32
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out, expected = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, expected, atol=0.1)  # bf16 body, fp32 head

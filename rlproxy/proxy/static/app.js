@@ -28,7 +28,7 @@
     const response = await fetch(path, { headers });
     if (response.status === 401 || response.status === 403) {
       $("auth").hidden = false;
-      throw new Error("this proxy needs an API key: enter it above");
+      throw new Error("this proxy needs its admin key (RLPROXY_ADMIN_KEY): enter it above");
     }
     if (!response.ok) {
       const err = new Error(`${path}: HTTP ${response.status}`);

@@ -1,0 +1,109 @@
+"""Request limits that every route gets, as pure ASGI in front of everything else.
+
+- Body size: `max_body_bytes` on every route, `max_reward_body_bytes` on the reward route. A
+  declared Content-Length over the limit is answered 413 before a byte of the body is read; a body
+  without one (chunked) is counted as `receive()` hands it over, and the read that passes the limit
+  raises `APIError(413)` into the route (whose handler renders it). Either way the connection is
+  closed after the 413 (see `server.LimitedHttpToolsProtocol`), so the rest is never read.
+- Requests in flight: above `max_concurrent_requests` a request gets 503 with `Retry-After` at
+  once, before any work (a stream counts until its last byte). `/healthz` and `/metrics` are exempt,
+  so an overloaded proxy can still be watched.
+
+Header size and count, the header and body deadlines, idle connections and the connection cap act
+before a request exists, so they are the HTTP protocol's part (`proxy/server.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rlproxy.errors import APIError
+from rlproxy.proxy.errors import error_body
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+_EXEMPT = frozenset({"/healthz", "/metrics"})
+
+
+def too_large(limit: int, declared: int | None = None) -> APIError:
+    """The 413 for a body over `limit` bytes (`declared`: its Content-Length, when it had one)."""
+    size = f"of {declared} bytes " if declared is not None else ""
+    return APIError(413, f"request body {size}exceeds the limit of {limit} bytes", code="body_too_large")
+
+
+async def respond(send, status: int, body: bytes, headers: tuple = ()) -> None:
+    """Send a whole JSON response on raw ASGI `send`."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class Limits:
+    """ASGI: body size per route and requests in flight (see the module doc)."""
+
+    def __init__(self, app, max_body: int, max_reward_body: int, max_in_flight: int) -> None:
+        self.app = app
+        self.max_body = max_body
+        self.max_reward_body = max_reward_body
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+
+    def limit(self, path: str) -> int:
+        """The body limit of `path` in bytes."""
+        if path.endswith("/reward") and "/runs/" in path:
+            return min(self.max_reward_body, self.max_body)
+        return self.max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in _EXEMPT:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_in_flight:
+            logger.warning("%d requests in flight: refusing %s", self.in_flight, scope["path"])
+            body = error_body(
+                503,
+                f"The server is handling {self.max_in_flight} requests; retry in {RETRY_AFTER_S} s.",
+                code="overloaded",
+            )
+            await respond(send, 503, body, ((b"retry-after", str(RETRY_AFTER_S).encode()),))
+            return
+        limit = self.limit(scope["path"])
+        for k, v in scope["headers"]:
+            if k == b"content-length":
+                declared = int(v) if v.isdigit() and len(v) < 19 else limit + 1  # the parser checked it
+                if declared > limit:
+                    await respond(send, 413, _body_of(too_large(limit, declared)))
+                    return
+                break
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            chunk = message.get("body")
+            if chunk:
+                seen += len(chunk)
+                if seen > limit:
+                    raise too_large(limit)
+            return message
+
+        self.in_flight += 1
+        try:
+            await self.app(scope, counted, send)
+        finally:
+            self.in_flight -= 1
+
+
+def _body_of(exc: APIError) -> bytes:
+    """The serialized OpenAI error body of `exc`."""
+    return error_body(exc.status, exc.message, exc.type, exc.code, exc.param)

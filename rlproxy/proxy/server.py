@@ -1,0 +1,251 @@
+"""The HTTP server: uvicorn on httptools, plus the connection limits uvicorn does not have.
+
+uvicorn's httptools protocol holds a request head of any size (httptools joins a header's pieces as
+they arrive: a 200 MB header took 1.5 GB) and waits without end for a head or a body that trickles
+in. `LimitedHttpToolsProtocol` keeps httptools' speed and adds, per connection:
+
+- head size: request line + headers over `max_header_bytes` (counted as bytes arrive, so at most
+  one socket read past the limit is ever held), or more than `max_headers` headers: 431, close;
+- head deadline: `header_timeout` seconds from a request's first byte to its last header: 408, close;
+- body deadline: `body_timeout` seconds from the headers to the body's last byte: 408 and close (only
+  close if the answer has begun);
+- idle: a new connection that sends nothing is closed after `keep_alive_timeout`, as uvicorn already
+  does between requests;
+- connection cap: a request on a connection beyond `max_connections`: 503 + Retry-After, close;
+- a response sent before its request's body was read whole (413, 401, ...) closes the connection
+  instead of reading the rest of the body;
+- the access log goes to the `rlproxy.access` logger, which no other uvicorn server in the process
+  can switch off (the embedded engine's uvicorn.Config resets the global `uvicorn.access` one).
+
+Every refusal is in OpenAI's error shape. `config(app, settings, ...)` is the uvicorn.Config that
+`rlproxy serve` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from rlproxy.proxy.errors import error_body
+from rlproxy.proxy.limits import RETRY_AFTER_S
+from rlproxy.proxy.settings import Settings
+
+logger = logging.getLogger(__name__)
+ACCESS_LOGGER = logging.getLogger("rlproxy.access")
+
+
+@dataclass(frozen=True)
+class ConnLimits:
+    """The per-connection limits (see the module doc; units: bytes, seconds)."""
+
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    max_connections: int = 2048
+    access_log: bool = True
+
+    @classmethod
+    def of(cls, settings: Settings, access_log: bool) -> ConnLimits:
+        return cls(
+            max_header_bytes=settings.max_header_bytes,
+            max_headers=settings.max_headers,
+            header_timeout=settings.header_timeout,
+            body_timeout=settings.body_timeout,
+            max_connections=settings.max_connections,
+            access_log=access_log,
+        )
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a request that was just refused."""
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with head/body limits and deadlines (see the module doc)."""
+
+    limits: ConnLimits = ConnLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.access_logger = ACCESS_LOGGER
+        self.access_log = self.limits.access_log
+        self._in_head = True  # between requests or reading a head: bytes count against the head size
+        self._head_bytes = 0
+        self._n_headers = 0
+        self._over_capacity = False
+        self._refused = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- connection ---
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._over_capacity = len(self.connections) > self.limits.max_connections
+        # uvicorn arms the idle timer only after a response; a connection that never sends is idle too
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        if self._in_head:
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if not self._refused:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        if self._in_head and self._head_bytes > self.limits.max_header_bytes:
+            self._refuse(431, f"request headers exceed {self.limits.max_header_bytes} bytes", False)
+
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.response_complete and cycle.more_body:
+            # answered before its body was read (413, 401): close rather than read the rest
+            self.transport.close()
+        super().on_response_complete()
+
+    # --- parser callbacks ---
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._n_headers = 0
+        self._arm(self.limits.header_timeout, self._head_late)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._n_headers += 1
+        if self._n_headers > self.limits.max_headers:
+            self._refuse(431, f"more than {self.limits.max_headers} request headers", False)
+            raise _Refused()
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._cancel_timer()
+        if self._over_capacity:
+            logger.warning("more than %d connections: refusing a request", self.limits.max_connections)
+            self._refuse(
+                503,
+                f"The server holds {self.limits.max_connections} connections; retry in {RETRY_AFTER_S} s.",
+                False,
+                code="overloaded",
+                headers=b"retry-after: %d\r\n" % RETRY_AFTER_S,
+            )
+            raise _Refused()
+        super().on_headers_complete()
+        self._arm(self.limits.body_timeout, self._body_late)
+
+    def on_message_complete(self) -> None:
+        self._cancel_timer()
+        self._in_head = True
+        self._head_bytes = 0
+        super().on_message_complete()
+
+    # --- deadlines and refusals ---
+    def _arm(self, seconds: float, callback: Any) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(seconds, callback)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_late(self) -> None:
+        self._timer = None
+        self._refuse(408, f"request headers not received within {self.limits.header_timeout:g} s", False)
+
+    def _body_late(self) -> None:
+        self._timer = None
+        self._refuse(408, f"request body not received within {self.limits.body_timeout:g} s", True)
+
+    def _refuse(
+        self, status: int, message: str, current: bool, code: str | None = None, headers: bytes = b""
+    ) -> None:
+        """Answer `status` if no other answer is under way on this connection, then close it.
+
+        `current`: the refused request is `self.cycle` (body phase) rather than a new head.
+        """
+        self._refused = True
+        self._cancel_timer()
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        idle = cycle is None or cycle.response_complete
+        if idle or (current and not cycle.response_started):
+            code = code or {408: "request_timeout", 431: "headers_too_large"}.get(status)
+            self._write_error(status, message, code, headers)
+            logger.warning("%s %d: %s", _peer(self.client), status, message)
+        else:
+            logger.warning("%s closed: %s", _peer(self.client), message)
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app's receive() now says http.disconnect; its sends are dropped
+            cycle.message_event.set()
+        self.transport.close()
+
+    def _write_error(self, status: int, message: str, code: str | None, headers: bytes) -> None:
+        body = error_body(status, message, code=code)
+        content = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            content.extend([name, b": ", value, b"\r\n"])
+        content.extend(
+            [
+                b"content-type: application/json\r\n",
+                b"content-length: %d\r\n" % len(body),
+                b"connection: close\r\n",
+                headers,
+                b"\r\n",
+                body,
+            ]
+        )
+        self.transport.write(b"".join(content))
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "client"
+
+
+def protocol_class(limits: ConnLimits) -> type[LimitedHttpToolsProtocol]:
+    """The protocol class uvicorn instantiates per connection, bound to `limits`."""
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+
+
+def config(
+    app: Any, settings: Settings, *, access_log: bool = True, log_level: str = "info", **overrides: Any
+) -> uvicorn.Config:
+    """The uvicorn.Config that serves `app` with every limit of `settings` (overrides: Config's own)."""
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "http": protocol_class(ConnLimits.of(settings, access_log)),
+        "access_log": access_log,
+        "proxy_headers": False,  # X-Forwarded-* rewriting: unused here, and it runs on every request
+        "log_level": log_level,
+        "timeout_keep_alive": settings.keep_alive_timeout,
+        "backlog": settings.backlog,
+        "limit_concurrency": None,  # ours: limits.Limits (OpenAI shape, Retry-After) and the connection cap
+        "timeout_graceful_shutdown": 10,
+        **overrides,
+    }
+    return uvicorn.Config(app, **options)

@@ -1,0 +1,642 @@
+"""The proxy's upstream hop against a raw-socket upstream that writes exact bytes (issue 9).
+
+Pins the part "the upstream client is a conformance problem": 1xx and `Expect: 100-continue`
+(responses crossing between clients), chunked bodies with extensions and trailers,
+`Connection: close`, an upstream closing a kept-alive connection between requests, an upstream
+closing after reading a request (no silent replay of a POST), mid-stream drops and stalls, a stream
+cut by the proxy's shutdown, malformed status lines, oversized headers, HEAD/204/304 on the
+pass-through path, and hop-by-hop headers in both directions. Each test drives a real proxy under
+uvicorn on a loopback port; the upstream records every request it read, with the connection it
+came on, so "exactly once" and "same connection" are counted, not assumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import socket
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+MODEL = "stub-model"
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Req:
+    conn: int  # which upstream connection it came on (1, 2, ...)
+    method: bytes
+    path: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+    def header(self, name: bytes) -> bytes | None:
+        return next((v for k, v in self.headers if k == name), None)
+
+    def json(self) -> dict:
+        return orjson.loads(self.body)
+
+
+# a handler writes the answer to one request; it returns "close" to close the connection after it
+Handler = Callable[[Req, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[str | None]]
+
+
+@dataclass
+class RawUpstream:
+    """An asyncio server that parses requests by hand and answers with whatever bytes a test says."""
+
+    handler: Handler | None = None
+    requests: list[Req] = field(default_factory=list)
+    port: int = 0
+    _conns: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _writers: set = field(default_factory=set)
+    _tasks: set = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def completions(self) -> list[Req]:
+        return [r for r in self.requests if r.path.split(b"?")[0] == CHAT.encode()]
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self._server.close()
+        for w in list(self._writers):
+            w.close()
+        for t in list(self._tasks):
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = next(self._conns)
+        self._writers.add(writer)
+        self._tasks.add(asyncio.current_task())
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head[:-4].split(b"\r\n")
+                method, path, _ = lines[0].split(b" ", 2)
+                headers = []
+                for line in lines[1:]:
+                    k, _, v = line.partition(b":")
+                    headers.append((k.strip().lower(), v.strip()))
+                req = Req(conn, method, path, headers, b"")
+                n = int(req.header(b"content-length") or 0)
+                req.body = await reader.readexactly(n) if n else b""
+                self.requests.append(req)
+                if method == b"GET" and path in (b"/v1/models", b"/health"):  # the backend's attach
+                    body = orjson.dumps({"object": "list", "data": [{"id": MODEL, "parent": None}]})
+                    writer.write(response(200, body))
+                    continue
+                assert self.handler is not None, f"no handler for {method!r} {path!r}"
+                if await self.handler(req, reader, writer) == "close":
+                    await writer.drain()
+                    return
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            self._tasks.discard(asyncio.current_task())
+            writer.close()
+
+
+def response(status: int, body: bytes, extra: bytes = b"", reason: bytes = b"OK") -> bytes:
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n"
+        % (status, reason, len(body), extra)
+    ) + body
+
+
+def ids_for(req: Req) -> list[int]:
+    """Token ids that name the request they answer: max_tokens n -> [1000n, 1000n+1, ...]."""
+    n = req.json().get("max_tokens", 3)
+    return [1000 * n + t for t in range(n)]
+
+
+def completion(req: Req) -> bytes:
+    """A vLLM-style chat completion for `req`, its token ids derived from the request."""
+    ids = ids_for(req)
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": " ".join(f"t{t}" for t in ids)},
+        "logprobs": {"content": [{"token": f"t{t}", "logprob": -0.5, "top_logprobs": []} for t in ids]},
+        "finish_reason": "length",
+        "token_ids": ids,
+    }
+    usage = {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3 + len(ids)}
+    body = {"id": "c", "object": "chat.completion", "created": 1, "model": MODEL, "choices": [choice]}
+    return orjson.dumps({**body, "usage": usage, "prompt_token_ids": [1, 2, 3]})
+
+
+def sse_events(req: Req) -> list[bytes]:
+    """The SSE events of a streamed chat completion for `req` (one token per event)."""
+    ids = ids_for(req)
+    out = []
+    for i, t in enumerate(ids):
+        last = i == len(ids) - 1
+        delta = {"role": "assistant", "content": f"t{t} "} if i == 0 else {"content": f"t{t} "}
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": {"content": [{"token": f"t{t}", "logprob": -0.5, "top_logprobs": []}]},
+            "finish_reason": "length" if last else None,
+            "token_ids": [t],
+        }
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
+        chunk["choices"] = [choice]
+        if i == 0:
+            chunk["prompt_token_ids"] = [1, 2, 3]
+        out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    return [*out, b"data: [DONE]\n\n"]
+
+
+def chunk(data: bytes, ext: bytes = b"") -> bytes:
+    return b"%x%s\r\n%s\r\n" % (len(data), ext, data)
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def answer(req: Req, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
+    """The well-behaved default: a full completion, or a chunked SSE stream."""
+    if req.json().get("stream"):
+        writer.write(SSE_HEAD + b"".join(chunk(e) for e in sse_events(req)) + b"0\r\n\r\n")
+    else:
+        writer.write(response(200, completion(req)))
+    return None
+
+
+@pytest.fixture
+def upstream(loop_thread):
+    up = RawUpstream(handler=answer)
+    loop_thread.run(up.start())
+    yield up
+    loop_thread.run(up.stop())
+
+
+@pytest.fixture
+def proxy(make_proxy, upstream):
+    return make_proxy(upstream.url, upstream_timeout=5.0, upstream_idle_timeout=1.0)
+
+
+def post(proxy, max_tokens: int, run_id: str = "run-a", stream: bool = False, **kw: Any) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+    if stream:
+        body["stream"] = True
+    headers = {"X-Run-Id": run_id, **kw.pop("headers", {})}
+    return httpx.post(proxy.url + CHAT, json=body, headers=headers, timeout=10, **kw)
+
+
+def rows(proxy) -> list[dict]:
+    """Stored completions in order, JSON columns decoded."""
+    cols = ("run_id", "request", "token_ids", "status", "status_code", "error", "finish_reason")
+    out = []
+    for r in proxy.query(f"SELECT {', '.join(cols)} FROM completions ORDER BY created_at, id"):
+        d = dict(zip(cols, r, strict=True))
+        for k in ("request", "token_ids"):
+            d[k] = json.loads(d[k]) if isinstance(d[k], str) else d[k]
+        out.append(d)
+    return out
+
+
+def assert_own_tokens(proxy, sizes: list[int]) -> None:
+    """Each stored row carries the tokens of its own request (none crossed)."""
+    stored = rows(proxy)
+    assert [r["request"]["max_tokens"] for r in stored] == sizes
+    for r in stored:
+        n = r["request"]["max_tokens"]
+        assert r["status"] == "ok" and r["token_ids"] == [[1000 * n + t for t in range(n)]], r
+
+
+def assert_openai_error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def raw_request(port: int, data: bytes, expect_continue: bool = False) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 request over a plain socket (the headers and body exactly as given).
+
+    With `expect_continue` the body is held back until the server says `100 Continue` (what curl
+    does for a large body); returns the final status, headers and the body (content-length framed).
+    """
+    head, _, body = data.partition(b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + b"\r\n\r\n" + (b"" if expect_continue else body))
+        buf = b""
+        while True:
+            while b"\r\n\r\n" not in buf:
+                got = s.recv(65536)
+                assert got, f"connection closed early: {buf!r}"
+                buf += got
+            resp_head, _, buf = buf.partition(b"\r\n\r\n")
+            status = int(resp_head.split(b" ", 2)[1])
+            if status == 100:
+                assert expect_continue
+                s.sendall(body)
+                continue
+            headers = {}
+            for line in resp_head.split(b"\r\n")[1:]:
+                k, _, v = line.partition(b":")
+                headers[k.strip().lower()] = v.strip()
+            n = int(headers.get(b"content-length", b"0"))
+            while len(buf) < n:
+                buf += s.recv(65536)
+            return status, headers, buf[:n]
+
+
+# ---- 1xx: the crossed responses of the issue ---------------------------------------------------
+
+
+async def uvicorn_like(req: Req, reader, writer) -> str | None:
+    """What uvicorn (vLLM, the embedded engine) does: `100 Continue` when the request expects it."""
+    if req.header(b"expect") == b"100-continue":
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    return await answer(req, reader, writer)
+
+
+def test_expect_100_continue_never_crosses_responses(proxy, upstream):
+    """Case 1 of the issue: a client sends `Expect: 100-continue`; the next requests on the same
+    pooled upstream connection must each get their own response, and each row its own tokens."""
+    upstream.handler = uvicorn_like
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    req = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"x-run-id: run-a\r\nexpect: 100-continue\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    status, _, got = raw_request(proxy.port, req, expect_continue=True)
+    assert status == 200
+    assert orjson.loads(got)["choices"][0]["message"]["content"] == "t2000 t2001"
+    sizes = [2]
+    for n in (4, 6, 8, 10):
+        resp = post(proxy, n, run_id=f"run-{n}")
+        assert resp.status_code == 200, resp.text
+        assert len(resp.json()["choices"][0]["message"]["content"].split()) == n
+        sizes.append(n)
+    assert all(r.header(b"expect") is None for r in upstream.requests)
+    assert len({r.conn for r in upstream.completions()}) == 1  # all on one pooled connection
+    assert_own_tokens(proxy, sizes)
+
+
+@pytest.mark.parametrize("interim", [b"100 Continue", b"102 Processing", b"103 Early Hints\r\nlink: </a>"])
+def test_interim_1xx_before_the_answer_is_skipped(proxy, upstream, interim):
+    """An upstream that sends an interim 1xx (unasked) before the real answer: skipped, no crossing."""
+
+    async def handler(req, reader, writer):
+        writer.write(b"HTTP/1.1 " + interim + b"\r\n\r\n")
+        return await answer(req, reader, writer)
+
+    upstream.handler = handler
+    for n in (1, 2, 3):
+        resp = post(proxy, n)
+        assert resp.status_code == 200 and len(resp.json()["choices"][0]["message"]["content"].split()) == n
+    stream = post(proxy, 4, stream=True)
+    assert stream.status_code == 200 and stream.text.count("data: ") == 5
+    assert_own_tokens(proxy, [1, 2, 3, 4])
+
+
+# ---- framing: chunked with extensions and trailers, Connection: close ------------------------
+
+
+def test_chunked_with_extensions_and_trailers(proxy, upstream):
+    """Chunk extensions and trailers, streamed and not; the connection stays usable after them."""
+
+    async def handler(req, reader, writer):
+        trailer = b"0\r\nx-checksum: abc\r\nx-other: 1\r\n\r\n"
+        if req.json().get("stream"):
+            events = b"".join(chunk(e, b';ext="a b";n=1') for e in sse_events(req))
+            writer.write(SSE_HEAD[:-2] + b"trailer: x-checksum, x-other\r\n\r\n" + events + trailer)
+        else:
+            body = completion(req)
+            parts = [body[:7], body[7:20], body[20:]]
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+                b"trailer: x-checksum\r\n\r\n" + b"".join(chunk(p, b";foo=bar") for p in parts) + trailer
+            )
+        return None
+
+    upstream.handler = handler
+    a, b = post(proxy, 3), post(proxy, 5, stream=True)
+    c = post(proxy, 7)
+    assert a.status_code == b.status_code == c.status_code == 200
+    assert a.json()["choices"][0]["message"]["content"] == "t3000 t3001 t3002"
+    assert b.text.count("data: ") == 6 and b.text.endswith("data: [DONE]\n\n")
+    assert "x-checksum" not in a.headers and "trailer" not in b.headers
+    assert len({r.conn for r in upstream.completions()}) == 1
+    assert_own_tokens(proxy, [3, 5, 7])
+
+
+@pytest.mark.parametrize("framing", ["content-length", "until-close"])
+def test_connection_close_responses(proxy, upstream, framing):
+    """`Connection: close` answers (framed by length, or by the close itself): each request is
+    answered from its own connection, exactly once."""
+
+    async def handler(req, reader, writer):
+        body = completion(req)
+        if framing == "content-length":
+            writer.write(response(200, body, b"connection: close\r\n"))
+        else:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n" + body
+            )
+        return "close"
+
+    upstream.handler = handler
+    for n in (1, 2, 3):
+        resp = post(proxy, n)
+        assert resp.status_code == 200 and len(resp.json()["choices"][0]["message"]["content"].split()) == n
+    assert [r.conn for r in upstream.completions()] == sorted({r.conn for r in upstream.completions()})
+    assert len(upstream.completions()) == 3
+    assert_own_tokens(proxy, [1, 2, 3])
+
+
+def test_upstream_closing_an_idle_keepalive_connection(proxy, upstream):
+    """The upstream closes a kept-alive connection between requests (its keep-alive timeout): the
+    next request succeeds on a fresh connection and reaches the upstream exactly once."""
+
+    async def handler(req, reader, writer):
+        await answer(req, reader, writer)
+        await writer.drain()
+        await asyncio.sleep(0.2)  # then close while idle, as uvicorn does after its keep-alive timeout
+        return "close"
+
+    upstream.handler = handler
+    assert post(proxy, 1).status_code == 200
+    time.sleep(0.6)
+    assert post(proxy, 2).status_code == 200
+    first, second = upstream.completions()  # exactly once each
+    assert first.conn != second.conn
+    assert_own_tokens(proxy, [1, 2])
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_upstream_closing_after_reading_the_request_is_502_not_replayed(proxy, upstream, reused):
+    """The upstream reads a POST and closes without answering (on a fresh or a kept-alive
+    connection): 502 in OpenAI's shape, the failure stored, and the POST never sent twice."""
+
+    async def handler(req, reader, writer):
+        if req.json()["max_tokens"] == 9:
+            return "close"
+        return await answer(req, reader, writer)
+
+    upstream.handler = handler
+    if reused:
+        assert post(proxy, 1).status_code == 200
+    err = assert_openai_error(post(proxy, 9), 502)
+    assert err["code"] == "upstream_unavailable"
+    time.sleep(0.3)  # a replay would arrive by now
+    assert [r.json()["max_tokens"] for r in upstream.completions()].count(9) == 1
+    stored = rows(proxy)[-1]
+    assert (
+        stored["request"]["max_tokens"] == 9 and stored["status"] == "error" and stored["status_code"] == 502
+    )
+
+
+# ---- broken answers: malformed, oversized, cut, stalled ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 2x0 OK\r\ncontent-length: 2\r\n\r\n{}",
+        b"HTTP/1.1\r\n\r\n",
+        b"NOT-HTTP garbage\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nbad header line\r\n\r\n{}",
+    ],
+    ids=["status-not-a-number", "no-status", "not-http", "header-without-colon"],
+)
+def test_malformed_response_is_502_and_stored(proxy, upstream, head):
+    """A malformed status line or head: 502 in OpenAI's shape, the failed completion stored."""
+
+    async def handler(req, reader, writer):
+        writer.write(head)
+        return "close"
+
+    upstream.handler = handler
+    assert_openai_error(post(proxy, 3), 502)
+    stored = rows(proxy)
+    assert len(stored) == 1 and stored[0]["status"] == "error" and stored[0]["status_code"] == 502
+
+
+@pytest.mark.parametrize("size", [100_000, 1_000_000])
+def test_oversized_response_headers_are_502_and_stored(proxy, upstream, size):
+    """Response headers far over any sane size: 502, stored; the proxy does not buffer them whole."""
+
+    async def handler(req, reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nx-huge: " + b"a" * size + b"\r\ncontent-length: 2\r\n\r\n{}")
+        return "close"
+
+    upstream.handler = handler
+    assert_openai_error(post(proxy, 3), 502)
+    assert rows(proxy)[0]["status_code"] == 502
+    upstream.handler = answer  # the next request is served normally
+    assert post(proxy, 2).status_code == 200
+
+
+def test_body_cut_short_is_502_and_stored(proxy, upstream):
+    """A non-streaming body shorter than its content-length, then the connection closed."""
+
+    async def handler(req, reader, writer):
+        body = completion(req)
+        writer.write(response(200, body)[: -len(body) // 2])
+        return "close"
+
+    upstream.handler = handler
+    assert_openai_error(post(proxy, 3), 502)
+    assert rows(proxy)[0]["status"] == "error" and rows(proxy)[0]["status_code"] == 502
+
+
+def stream_events(proxy, n: int) -> tuple[list[str], Exception | None]:
+    """Read a streamed completion through the proxy; the events read and the error that cut it."""
+    events: list[str] = []
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": n, "stream": True}
+    try:
+        with httpx.stream("POST", proxy.url + CHAT, json=body, headers={"X-Run-Id": "r"}, timeout=10) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+    except httpx.HTTPError as exc:
+        return events, exc
+    return events, None
+
+
+def test_mid_stream_drop_is_stored_as_error_and_the_client_can_tell(proxy, upstream):
+    """The upstream drops the connection after two events: the row is `error` (502), and the
+    client's stream ends broken (no terminating chunk), never like a clean end."""
+
+    async def handler(req, reader, writer):
+        writer.write(SSE_HEAD + b"".join(chunk(e) for e in sse_events(req)[:2]))
+        await writer.drain()
+        return "close"
+
+    upstream.handler = handler
+    events, error = stream_events(proxy, 5)
+    assert len(events) == 2
+    assert isinstance(error, httpx.RemoteProtocolError), error
+    stored = rows(proxy)
+    assert len(stored) == 1 and stored[0]["status"] == "error" and stored[0]["status_code"] == 502
+    assert "broke" in stored[0]["error"]
+    assert stored[0]["token_ids"] == [[5000, 5001]]  # what did arrive is kept
+
+
+def test_stalled_stream_hits_the_idle_timeout(proxy, upstream):
+    """An upstream that stops sending mid-stream: cut after `upstream_idle_timeout` (1 s here),
+    stored as `error` (504), the client's stream ended broken."""
+
+    async def handler(req, reader, writer):
+        writer.write(SSE_HEAD + chunk(sse_events(req)[0]))
+        await writer.drain()
+        await asyncio.sleep(30)
+        return "close"
+
+    upstream.handler = handler
+    started = time.monotonic()
+    events, error = stream_events(proxy, 5)
+    assert time.monotonic() - started < 8
+    assert len(events) == 1 and isinstance(error, httpx.RemoteProtocolError), error
+    stored = rows(proxy)[0]
+    assert stored["status"] == "error" and stored["status_code"] == 504 and "1 s" in stored["error"]
+
+
+def test_stream_cut_by_shutdown_is_stored_as_cut(make_proxy, upstream):
+    """Issue case 7: a stream still running when the proxy shuts down is stored as `cancelled`
+    with the reason, not as `ok`/200 without a finish_reason."""
+    proxy = make_proxy(upstream.url, upstream_timeout=30.0, upstream_idle_timeout=30.0)
+
+    async def handler(req, reader, writer):
+        writer.write(SSE_HEAD + chunk(sse_events(req)[0]))
+        await writer.drain()
+        await asyncio.sleep(30)
+        return "close"
+
+    upstream.handler = handler
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", proxy.url + CHAT, json=body, headers={"X-Run-Id": "r"}, timeout=20) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        proxy.server.config.timeout_graceful_shutdown = 0.5
+        proxy.stop()
+        with pytest.raises(httpx.HTTPError):  # cut, not a clean end
+            for _ in lines:
+                pass
+    con = sqlite3.connect(f"file:{proxy.db_path}?mode=ro", uri=True)
+    status, code, error, finish = con.execute(
+        "SELECT status, status_code, error, finish_reason FROM completions"
+    ).fetchone()
+    con.close()
+    assert status == "cancelled" and code == 503 and "shut down" in error and finish is None
+
+
+# ---- pass-through: HEAD/204/304, no replay ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method, status, extra",
+    [
+        ("HEAD", 200, b"content-length: 1234\r\n"),
+        ("GET", 204, b""),
+        ("GET", 304, b'etag: "v1"\r\n'),
+        ("DELETE", 204, b"content-length: 0\r\n"),
+    ],
+)
+def test_bodiless_answers_on_the_pass_through_path(proxy, upstream, method, status, extra):
+    """HEAD/204/304 carry no body: relayed as such, and the pooled connection stays in step (the
+    next request on it gets its own answer)."""
+
+    async def handler(req, reader, writer):
+        if req.path.startswith(b"/v1/files/"):
+            writer.write(b"HTTP/1.1 %d X\r\n%s\r\n" % (status, extra))
+        else:
+            writer.write(response(200, b'{"object": "list", "data": []}'))
+        return None
+
+    upstream.handler = handler
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        resp = client.request(method, "/v1/files/abc")
+        assert resp.status_code == status and resp.content == b""
+        if method == "HEAD":
+            assert resp.headers["content-length"] == "1234"
+        nxt = client.get("/v1/batches")
+        assert nxt.status_code == 200 and nxt.json() == {"object": "list", "data": []}
+    relayed = [r for r in upstream.requests if r.path in (b"/v1/files/abc", b"/v1/batches")]
+    assert [r.path for r in relayed] == [b"/v1/files/abc", b"/v1/batches"]
+    assert len({r.conn for r in relayed}) == 1
+
+
+def test_pass_through_post_is_not_replayed(proxy, upstream):
+    """A pass-through POST the upstream read and dropped: 502, sent once."""
+
+    async def handler(req, reader, writer):
+        if req.path == b"/v1/batches" and req.method == b"POST":
+            return "close"
+        writer.write(response(200, b"{}"))
+        return None
+
+    upstream.handler = handler
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        assert client.get("/v1/files").status_code == 200  # a kept-alive connection to reuse
+        assert_openai_error(client.post("/v1/batches", json={"input_file_id": "f"}), 502)
+    time.sleep(0.3)
+    assert sum(1 for r in upstream.requests if r.path == b"/v1/batches") == 1
+
+
+# ---- hop-by-hop headers, both ways ---------------------------------------------------------------
+
+_HOP_REQUEST = (
+    b"connection: keep-alive, x-hop-a\r\nx-hop-a: secret\r\nkeep-alive: timeout=5\r\nte: trailers\r\n"
+    b"trailer: x-t\r\nproxy-authorization: Basic abc\r\nproxy-connection: keep-alive\r\n"
+    b"x-end-to-end: kept\r\n"
+)
+_HOP_RESPONSE = (
+    b"connection: x-hop-b\r\nx-hop-b: secret\r\nkeep-alive: timeout=5\r\nproxy-authenticate: Basic\r\n"
+    b"trailer: x-t\r\nupgrade: h2c\r\nx-upstream: kept\r\n"
+)
+_HOP_NAMES = {"connection", "x-hop-a", "x-hop-b", "keep-alive", "te", "trailer", "upgrade", "expect"}
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/files"])
+def test_hop_by_hop_headers_never_cross(proxy, upstream, path):
+    """Hop-by-hop headers (and the names `Connection` lists, `Proxy-*`, `Expect`, `TE`) reach
+    neither the upstream nor the client; end-to-end ones pass both ways."""
+
+    async def handler(req, reader, writer):
+        body = completion(req) if req.path == CHAT.encode() else b"{}"
+        writer.write(response(200, body, _HOP_RESPONSE))
+        return None
+
+    upstream.handler = handler
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    req = (
+        b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n%sexpect: 100-continue\r\n"
+        b"content-length: %d\r\n\r\n%s" % (path.encode(), _HOP_REQUEST, len(body), body)
+    )
+    status, headers, _ = raw_request(proxy.port, req, expect_continue=True)
+    assert status == 200
+    sent = upstream.requests[-1]
+    names = {k.decode() for k, _ in sent.headers}
+    assert not names & _HOP_NAMES and not any(n.startswith("proxy-") for n in names), names
+    assert (
+        sent.header(b"x-end-to-end") == b"kept"
+        and sent.header(b"host") == f"127.0.0.1:{upstream.port}".encode()
+    )
+    assert sent.header(b"content-length") == str(len(sent.body)).encode()
+    got = {k.decode() for k in headers}
+    assert not got & (_HOP_NAMES - {"connection"}) and "proxy-authenticate" not in got, got
+    assert headers.get(b"connection", b"keep-alive") != b"x-hop-b" and headers[b"x-upstream"] == b"kept"
