@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 export RLPROXY_CACHE_DIR ?= $(CURDIR)/.cache/rlproxy
 
-.PHONY: install test lint demo vllm-cpu litellm bench bench-compare clean
+.PHONY: install test lint demo vllm-cpu litellm bench bench-compare gpu-check clean
 
 $(BIN)/rlproxy: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -57,6 +57,11 @@ bench: install
 	$(BIN)/python bench/engine.py --quick
 	$(BIN)/python bench/proxy.py --quick
 	$(BIN)/python bench/trainer.py --quick
+
+# The trainer's CUDA path (plain transformers + peft, bf16 + fp32 LM head): checks and tokens/s.
+# Prints "skipped" and succeeds on a machine without CUDA.
+gpu-check: install
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache demo-output

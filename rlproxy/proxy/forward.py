@@ -97,7 +97,16 @@ def response_headers(raw: list[tuple[bytes, bytes]], drop: frozenset[bytes] = _R
 
 
 def _str_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+    """aiohttp takes str headers and writes them as UTF-8: decoding as UTF-8 keeps the bytes exact
+    (a value that is not UTF-8 is the rare exception, sent as its Latin-1 reading)."""
+    out = []
+    for k, v in headers:
+        try:
+            value = v.decode()
+        except UnicodeDecodeError:
+            value = v.decode("latin-1")
+        out.append((k.decode("latin-1"), value))
+    return out
 
 
 class UpstreamResponse:

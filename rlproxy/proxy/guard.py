@@ -82,7 +82,7 @@ def allowed_host_names(allowed_hosts: str, bind_host: str) -> frozenset[bytes] |
     if "*" in names:
         return None
     if names:
-        return frozenset(n.lower().encode() for n in names)
+        return frozenset(host_name(n.encode()) for n in names)  # a port given is ignored
     return LOOPBACK_HOSTS if is_loopback(bind_host) else None
 
 
@@ -99,13 +99,14 @@ class Guard:
         self.app = app
         self.principals = principals
         self.hosts = allowed_hosts
-        self.any_origin = "*" in cors_origins
-        self.origins = frozenset(o.rstrip("/").encode() for o in cors_origins if o != "*")
+        origins = [o.rstrip("/") for o in cors_origins]  # a browser's Origin never ends with "/"
+        self.any_origin = "*" in origins
+        self.origins = frozenset(o.encode() for o in origins if o != "*")
         self.cors = None
-        if cors_origins:
+        if origins:
             self.cors = CORSMiddleware(
                 app,
-                allow_origins=list(cors_origins),
+                allow_origins=origins,
                 allow_methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
                 allow_headers=["*"],  # the OpenAI SDKs send x-stainless-* headers
                 expose_headers=["x-policy-step", "retry-after"],
@@ -154,8 +155,8 @@ class Guard:
             return
         extra = ((b"access-control-allow-origin", origin), (b"vary", b"Origin")) if cors else ()
         method = scope["method"]
-        if cors and method == "OPTIONS":  # a preflight carries no key: CORSMiddleware answers it
-            await self.cors(scope, receive, send)
+        if cors and method == "OPTIONS" and _is_preflight(scope["headers"]):
+            await self.cors(scope, receive, send)  # a preflight carries no key: CORSMiddleware answers it
             return
         try:
             self.principals.check(scope["path"], authorization)
@@ -175,6 +176,10 @@ class Guard:
             )
             return
         await (self.cors if cors else self.app)(scope, receive, send)
+
+
+def _is_preflight(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k == b"access-control-request-method" for k, _ in headers)
 
 
 def _is_json(ctype: bytes | None) -> bool:

@@ -153,8 +153,7 @@ async def healthz(request: Request) -> Response:
     store_ok = stalled <= px.settings.store_unhealthy_after
     status = "ok" if ok and store_ok else ("upstream_unhealthy" if not ok else "store_unhealthy")
     body = {
-        "status": status,
-        "upstream": px.upstream.base_url,
+        "status": status,  # public route: never the upstream's address (README, Security)
         "policies": {p: px.policies.step(p) for p in sorted({px.policies.default, *px.policies.steps})},
         "write_queue_depth": writer.depth,
         "store": {

@@ -33,7 +33,7 @@ class Settings(BaseSettings, TrainerConfig):
         "also valid wherever the agents' key is (see Security)",
     )
     upstream_api_key: str | None = Field(
-        None, description="bearer key sent to an attached upstream (`--upstream`); the client's is never forwarded"
+        None, description="bearer key sent to an attached upstream (`--upstream`); clients' keys never are"
     )
     allowed_hosts: str = Field(
         "",

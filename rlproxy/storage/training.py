@@ -58,7 +58,7 @@ class CompletionData:
     endpoint: str | None
     request: dict[str, Any] | None
     response: dict[str, Any] | None
-    prompt_token_ids: list[int] | None
+    prompt_token_ids: list[int] | list[list[int] | None] | None  # one per choice: a batched /v1/completions
     token_ids: list[list[int] | None] | None  # one list per choice
     logprobs: list[list[float | None] | None] | None  # one list per choice
     status: str | None = None  # ok, error, cancelled

@@ -9,6 +9,7 @@ KL term is the same weights with the adapter switched off, so it costs no memory
 
 from __future__ import annotations
 
+import inspect
 import logging
 from contextlib import nullcontext
 from typing import Any
@@ -117,7 +118,11 @@ def fp32_lm_head(model: Any) -> None:
 
 def gradient_checkpointing(model: Any) -> bool:
     """True when the model recomputes activations in backward (then no KV cache survives a forward)."""
-    return bool(getattr(model, "is_gradient_checkpointing", False))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the new name, then the old
+        if hasattr(type(base), name):
+            return bool(getattr(base, name))
+    return False
 
 
 def completion_logits(model: Any, batch: Batch) -> Tensor:
@@ -156,7 +161,8 @@ def _shared_prompt_logits(model: Any, batch: Batch) -> Tensor:
         logits_to_keep=1,
         use_cache=True,
     )
-    cache = first.past_key_values
+    kw = _cache_kwarg(model)
+    cache = getattr(first, kw)
     cache.batch_select_indices(index)  # (U, ...) -> (B, ...), differentiable
     # 2. the completions on top: token t (t < C - 1) is the input that predicts token t + 1
     attention = torch.cat([prompt_mask[index], batch.mask[:, : C - 1].to(device, prompt_mask.dtype)], dim=1)
@@ -164,10 +170,16 @@ def _shared_prompt_logits(model: Any, batch: Batch) -> Tensor:
         input_ids=batch.completion_ids[:, : C - 1].to(device),
         attention_mask=attention,  # (B, P + C - 1)
         position_ids=(attention.cumsum(-1) - 1)[:, P:].clamp(min=0),
-        past_key_values=cache,
+        **{kw: cache},
         use_cache=True,
     )
     return torch.cat([first.logits[index, -1:, :], rest.logits], dim=1)  # (B, C, V)
+
+
+def _cache_kwarg(model: Any) -> str:
+    # transformers renamed `past_key_values` to `cache` (the old name warns until 5.40)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def token_logprobs(model: Any, batch: Batch) -> Tensor:

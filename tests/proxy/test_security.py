@@ -9,6 +9,7 @@ page, a forged Host). Each test says which case it pins; each failed before the 
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -282,6 +283,7 @@ def test_upstream_redirects_are_never_relayed(make_proxy, loop_thread):
         _shape(resp, 502, "upstream_redirect")
         assert "location" not in resp.headers and stub.url.split("//")[1] not in resp.text
         assert httpx.get(f"{proxy.url}/v1/models").status_code == 200  # the connection went back fine
+        assert stub.url.split("//")[1] not in httpx.get(f"{proxy.url}/healthz").text  # public: no address
     finally:
         loop_thread.run(stub.stop())
 
@@ -376,5 +378,32 @@ def test_allowed_host_names_unit():
     assert allowed_host_names("", "127.0.0.1") == LOOPBACK_HOSTS == allowed_host_names("", "::1")
     assert allowed_host_names("", "localhost") == LOOPBACK_HOSTS
     assert allowed_host_names("", "0.0.0.0") is None and allowed_host_names("*", "127.0.0.1") is None
-    assert allowed_host_names("A.example, b.example", "0.0.0.0") == {b"a.example", b"b.example"}
+    assert allowed_host_names("A.example, b.example:8000", "0.0.0.0") == {b"a.example", b"b.example"}
     assert host_name(b"[::1]:80") == b"[::1]" and host_name(b"Example.COM:1") == b"example.com"
+
+
+def test_engine_command_takes_a_key(tiny_model_dir):
+    """Case 2: `rlproxy engine --api-key K` answers only requests that carry K (health aside)."""
+    import subprocess
+    import sys
+    import time
+
+    port = free_port()
+    rlproxy = str(Path(sys.executable).parent / "rlproxy")
+    cmd = [rlproxy, "engine", "--model", str(tiny_model_dir)]
+    cmd += ["--port", str(port), "--threads", "1", "--api-key", "engine-k"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers=_auth("engine-k")).json()["data"][0]["id"] == "tiny"
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -236,6 +236,7 @@ def raw_request(port: int, data: bytes, expect_continue: bool = False) -> tuple[
     With `expect_continue` the body is held back until the server says `100 Continue` (what curl
     does for a large body); returns the final status, headers and the body (content-length framed).
     """
+    data = data.replace(b"host: x\r\n", b"host: 127.0.0.1:%d\r\n" % port)  # an allowed Host
     head, _, body = data.partition(b"\r\n\r\n")
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(head + b"\r\n\r\n" + (b"" if expect_continue else body))
@@ -266,8 +267,10 @@ def raw_request(port: int, data: bytes, expect_continue: bool = False) -> tuple[
 
 async def uvicorn_like(req: Req, reader, writer) -> str | None:
     """What uvicorn (vLLM, the embedded engine) does: `100 Continue` when the request expects it."""
-    if req.header(b"expect") == b"100-continue":
+    if req.header(b"expect") == b"100-continue":  # on its own, before the app has answered
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
     return await answer(req, reader, writer)
 
 
@@ -289,9 +292,9 @@ def test_expect_100_continue_never_crosses_responses(proxy, upstream):
         assert resp.status_code == 200, resp.text
         assert len(resp.json()["choices"][0]["message"]["content"].split()) == n
         sizes.append(n)
-    assert all(r.header(b"expect") is None for r in upstream.requests)
     assert len({r.conn for r in upstream.completions()}) == 1  # all on one pooled connection
     assert_own_tokens(proxy, sizes)
+    assert all(r.header(b"expect") is None for r in upstream.requests)
 
 
 @pytest.mark.parametrize("interim", [b"100 Continue", b"102 Processing", b"103 Early Hints\r\nlink: </a>"])
@@ -300,6 +303,8 @@ def test_interim_1xx_before_the_answer_is_skipped(proxy, upstream, interim):
 
     async def handler(req, reader, writer):
         writer.write(b"HTTP/1.1 " + interim + b"\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # a separate write: the 1xx alone is all the proxy has read
         return await answer(req, reader, writer)
 
     upstream.handler = handler
@@ -602,7 +607,7 @@ def test_pass_through_post_is_not_replayed(proxy, upstream):
 _HOP_REQUEST = (
     b"connection: keep-alive, x-hop-a\r\nx-hop-a: secret\r\nkeep-alive: timeout=5\r\nte: trailers\r\n"
     b"trailer: x-t\r\nproxy-authorization: Basic abc\r\nproxy-connection: keep-alive\r\n"
-    b"x-end-to-end: kept\r\n"
+    b"x-end-to-end: kept\r\nx-utf8: caf\xc3\xa9\r\n"
 )
 _HOP_RESPONSE = (
     b"connection: x-hop-b\r\nx-hop-b: secret\r\nkeep-alive: timeout=5\r\nproxy-authenticate: Basic\r\n"
@@ -637,6 +642,26 @@ def test_hop_by_hop_headers_never_cross(proxy, upstream, path):
         and sent.header(b"host") == f"127.0.0.1:{upstream.port}".encode()
     )
     assert sent.header(b"content-length") == str(len(sent.body)).encode()
+    assert sent.header(b"x-utf8") == b"caf\xc3\xa9"  # end-to-end values byte for byte
     got = {k.decode() for k in headers}
     assert not got & (_HOP_NAMES - {"connection"}) and "proxy-authenticate" not in got, got
     assert headers.get(b"connection", b"keep-alive") != b"x-hop-b" and headers[b"x-upstream"] == b"kept"
+
+
+def test_the_pool_is_capped(make_proxy, upstream):
+    """`upstream_max_connections` caps the pool: 6 concurrent requests share 2 connections (the
+    rest wait for one), and every one is answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    proxy = make_proxy(upstream.url, upstream_timeout=10.0, upstream_max_connections=2)
+
+    async def slow(req, reader, writer):
+        await asyncio.sleep(0.2)
+        return await answer(req, reader, writer)
+
+    upstream.handler = slow
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda n: post(proxy, n, run_id=f"r{n}"), range(1, 7)))
+    assert [r.status_code for r in got] == [200] * 6
+    assert len({r.conn for r in upstream.completions()}) <= 2
+    assert sorted(r["request"]["max_tokens"] for r in rows(proxy)) == [1, 2, 3, 4, 5, 6]
