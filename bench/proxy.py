@@ -1,6 +1,6 @@
 """What the proxy costs: added latency, throughput ratio, CPU per request, rows stored.
 
-One run, three processes: a plain-asyncio stub upstream (bench/stub_upstream.py), the proxy
+One run, three processes: a plain-asyncio stub upstream (tests/stub_upstream.py), the proxy
 (`rlproxy serve` attached to the stub, capture on, SQLite, no trainer, no access log) and `wrk`
 (Debian package `wrk`) with a small Lua script as the load generator — a Python client saturates
 near 600 req/s and would hide the proxy's cost. Every case runs against the stub directly and
@@ -279,7 +279,7 @@ def compare_litellm(window: float, rounds: int, delay: float) -> int:
         subprocess.Popen(
             [
                 sys.executable,
-                str(ROOT / "bench" / "stub_upstream.py"),
+                str(ROOT / "tests" / "stub_upstream.py"),
                 "--port",
                 str(port),
                 "--delay",
@@ -408,7 +408,7 @@ def main() -> int:
     stub_port = free_port()
     stub_url = f"http://127.0.0.1:{stub_port}"
     stub = subprocess.Popen(
-        [sys.executable, str(ROOT / "bench" / "stub_upstream.py"), "--port", str(stub_port)],
+        [sys.executable, str(ROOT / "tests" / "stub_upstream.py"), "--port", str(stub_port)],
         stdout=subprocess.DEVNULL,
     )
     proxy = None

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import LoopThread
+from support import LoopThread, require
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RLPROXY_CACHE_DIR", ROOT / ".cache" / "rlproxy"))
@@ -70,6 +70,32 @@ def db_url(tmp_path: Path) -> str:
 def vllm_required() -> bool:
     """In CI the vLLM half must run, not skip."""
     return os.environ.get("CI") == "true" or os.environ.get("RLPROXY_REQUIRE_VLLM") == "1"
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> Iterator[str]:
+    """A PostgreSQL server for the session, as an asyncpg URL whose database may create databases.
+
+    RLPROXY_TEST_PG_URL when set (a server of your own); else a throwaway server from the `pgserver`
+    wheel's binaries (tests/pg.py), started on first use, exported as RLPROXY_TEST_PG_URL for
+    subprocesses, and stopped at the end. In CI (CI=true) a missing server fails instead of skipping.
+    """
+    url = os.environ.get("RLPROXY_TEST_PG_URL")
+    if url:
+        yield url
+        return
+    from pg import PostgresServer, bindir
+
+    binaries = bindir()
+    require(binaries, "no PostgreSQL: `pip install -e '.[dev]'` (pgserver) or set RLPROXY_TEST_PG_URL")
+    assert binaries is not None
+    server = PostgresServer.start(binaries)
+    os.environ["RLPROXY_TEST_PG_URL"] = server.url
+    try:
+        yield server.url
+    finally:
+        del os.environ["RLPROXY_TEST_PG_URL"]
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,22 +1,24 @@
-"""Forwarding to the upstream over one pooled aiohttp client; foreign errors are translated here, once.
+"""Forwarding to the upstream; foreign errors are translated here, once.
 
-Why aiohttp: the upstream hop is a conformance problem first (1xx interim responses, chunk
+Two clients, one upstream. The two hot routes go over `http11.Pool` (`Upstream.post`): a small
+keep-alive client that is about 1.5-1.8x cheaper per request than aiohttp's (bench/README.md) and
+is proven by tests/proxy/test_upstream_conformance.py against a raw-socket upstream (1xx, chunk
 extensions and trailers, `Connection: close`, stale keep-alive connections, malformed or oversized
-heads), and aiohttp's client does all of it with a C parser (llhttp) for about the CPU per request
-of a hand-written client (bench/README.md has the measurement). One `ClientSession` with a capped
-`TCPConnector` serves both the two hot routes (`Upstream.post`) and every other `/v1/*` path
-(`Upstream.relay`, bytes relayed untouched, encoding included); the lifespan creates and closes it.
+heads, drops and stalls). Every other `/v1/*` path goes over one aiohttp `ClientSession`
+(`Upstream.relay`, bytes relayed untouched, encoding included), where the rarer cases (HEAD, 204,
+304, any method) are aiohttp's to get right. Both pools are capped at `max_connections`; the
+lifespan creates and closes them.
 
 Headers go through minus every hop-by-hop one, both ways: `Connection` and the names it lists,
 `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`, `Proxy-*`, `Expect` (a client's
 `Expect: 100-continue` is ours to answer, never the upstream's), `Host` and `Content-Length`
 (recomputed). Capture routes ask for `identity` encoding so the proxy can read and re-emit the body.
 
-Retries: a POST whose bytes may have reached the upstream is never sent again (aiohttp retries only
-idempotent methods on a reused connection that dropped). The connector drops a pooled connection the
-upstream closed before it is used, and closes idle ones after `_KEEPALIVE_S`, below the 5 s that
-uvicorn-based servers (vLLM, the embedded engine) keep an idle connection, so a request is not
-written into a connection the upstream is closing.
+Retries: a POST whose bytes may have reached the upstream is never sent again (http11 writes a
+request once; aiohttp retries only idempotent methods on a reused connection that dropped). A
+pooled connection the upstream closed is dropped before it is used, and idle ones are closed after
+`_KEEPALIVE_S`, below the 5 s that uvicorn-based servers (vLLM, the embedded engine) keep an idle
+connection, so a request is not written into a connection the upstream is closing.
 
 Errors: connection failures, protocol errors (malformed status line, oversized headers) and bodies
 cut short become `BackendUnavailable` (502); timeouts `BackendTimeout` (504), raised `from` the
@@ -26,7 +28,7 @@ foreign error with the URL in the message.
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 from starlette.requests import Request
@@ -34,6 +36,7 @@ from starlette.responses import Response, StreamingResponse
 from yarl import URL
 
 from rlproxy.errors import BackendError, BackendTimeout, BackendUnavailable
+from rlproxy.proxy import http11
 
 HOP_BY_HOP = frozenset(
     {
@@ -109,70 +112,14 @@ def _str_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     return out
 
 
-class UpstreamResponse:
-    """Status, headers and body of one upstream response (read whole or chunk by chunk).
-
-    Body errors are ours already: a body cut short is `BackendUnavailable`, a body that stalls for
-    longer than `idle_timeout` between chunks is `BackendTimeout`.
-    """
-
-    __slots__ = ("raw", "status_code", "headers", "content", "url", "idle_timeout")
-
-    def __init__(self, raw: aiohttp.ClientResponse, url: str, idle_timeout: float) -> None:
-        self.raw = raw
-        self.url = url
-        self.idle_timeout = idle_timeout
-        self.status_code = raw.status
-        self.headers = [(k.lower(), v) for k, v in raw.raw_headers]  # lower-case names, raw bytes
-        self.content = b""
-
-    def header(self, name: bytes) -> bytes | None:
-        for k, v in self.headers:
-            if k == name:
-                return v
-        return None
-
-    async def read(self) -> bytes:
-        """The whole body (then the connection goes back to the pool); each chunk within the idle timeout."""
-        parts = []
-        while (chunk := await self.next_chunk()) is not None:
-            parts.append(chunk)
-        self.close()
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    async def next_chunk(self) -> bytes | None:
-        """Body bytes received since the last call; None at the end of the body."""
-        content = self.raw.content
-        try:
-            async with asyncio.timeout(self.idle_timeout):
-                data = await content.readany()
-        except TimeoutError as exc:
-            raise BackendTimeout(
-                f"upstream {self.url} sent nothing for {self.idle_timeout:g} s in the middle of its answer"
-            ) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise BackendUnavailable(f"upstream {self.url} broke off its answer: {exc!r}") from exc
-        return data or None
-
-    @property
-    def finished(self) -> bool:
-        """The whole body has arrived and been taken (the next `next_chunk` returns None)."""
-        return self.raw.content.at_eof()
-
-    def close(self) -> None:
-        """Done with it: a fully read response keeps its connection, a cut one closes it."""
-        if self.raw.content.at_eof():
-            self.raw.release()
-        else:
-            self.raw.close()
-
-
 class Upstream:
-    """The upstream server behind one pooled aiohttp session (create and close it in the lifespan).
+    """The upstream server: the hot routes over `http11.Pool`, everything else over aiohttp.
 
-    `max_connections` caps the pool: more concurrent requests wait for a free connection (within
-    their timeout). `timeout` bounds a whole non-streaming answer and the wait for a stream's
-    headers; `idle_timeout` bounds each gap between a stream's chunks.
+    Create it (and `aclose` it) in the lifespan. `max_connections` caps each pool: more concurrent
+    requests wait for a free connection (within their timeout). `timeout` bounds a whole
+    non-streaming answer and the wait for a stream's headers; `idle_timeout` bounds each gap
+    between a stream's chunks. `api_key` (the engine's secret) goes on every request; the client's
+    own `Authorization` never does.
     """
 
     def __init__(
@@ -186,47 +133,51 @@ class Upstream:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.idle_timeout = idle_timeout
+        url = urlsplit(self.base_url)
+        tls = url.scheme == "https"
+        self.prefix = url.path.rstrip("/").encode()
+        self.pool = http11.Pool(
+            url.hostname or "127.0.0.1",
+            url.port or (443 if tls else 80),
+            ssl=tls,
+            max_connections=max_connections,
+            keepalive=_KEEPALIVE_S,
+            connect_timeout=min(timeout, _CONNECT_S),
+        )
+        self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         connector = aiohttp.TCPConnector(
             limit=max_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S, use_dns_cache=True
         )
         self.session = aiohttp.ClientSession(
             connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(timeout, _CONNECT_S)),
+            # sock_read: the wait for the head and each gap in the body
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=min(timeout, _CONNECT_S), sock_read=timeout
+            ),
             auto_decompress=False,
             skip_auto_headers=_SKIP_AUTO,
             cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
-            # the engine's key on every request (the client's own Authorization is always dropped)
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             trust_env=False,
         )
-        self._urls: dict[bytes, URL] = {}
-
-    def _url(self, path: bytes, query: bytes) -> URL:
-        if not query:
-            url = self._urls.get(path)
-            if url is None:
-                url = self._urls[path] = URL(self.base_url + path.decode("latin-1"), encoded=True)
-            return url
-        return URL(self.base_url + path.decode("latin-1") + "?" + query.decode("latin-1"), encoded=True)
 
     async def post(
         self, path: bytes, headers: list, body: bytes, query: bytes, stream: bool
-    ) -> UpstreamResponse:
+    ) -> http11.Response:
         """POST to the upstream; a non-streaming response is read whole (into `.content`)."""
-        url = self._url(path, query)
-        resp: UpstreamResponse | None = None
+        target = self.prefix + path + (b"?" + query if query else b"")
+        url = self.base_url + path.decode("latin-1")
+        resp = None
         try:
             async with asyncio.timeout(self.timeout):
-                raw = await self.session.post(
-                    url, data=body, headers=_str_headers(headers), allow_redirects=False
+                resp = await self.pool.request(
+                    b"POST", target, headers + self._auth, body, url, self.idle_timeout
                 )
-                resp = UpstreamResponse(raw, self.base_url + path.decode("latin-1"), self.idle_timeout)
-                if not stream:  # the whole answer within `timeout` (no per-chunk deadline to arm)
-                    resp.content = await raw.read()
-                    raw.release()
+                if not stream:
+                    resp.content = await resp.read()
         except BaseException as exc:
             if resp is not None:
-                resp.raw.close()
+                resp.close()
             ours = self._translate(exc, path.decode("latin-1"))
             if ours is exc:
                 raise
@@ -269,26 +220,30 @@ class Upstream:
             if ours is exc:
                 raise
             raise ours from exc
-        resp = UpstreamResponse(raw, url, self.timeout)
-        headers_out = response_headers(resp.headers, _RELAY_DROP)
-        if resp.status_code in _NO_BODY:
+        headers_out = response_headers([(k.lower(), v) for k, v in raw.raw_headers], _RELAY_DROP)
+        if raw.status in _NO_BODY:
             headers_out = [(k, v) for k, v in headers_out if k != b"content-length"]
-        out = StreamingResponse(_body(resp), status_code=resp.status_code)
+        out = StreamingResponse(self._body(raw, path), status_code=raw.status)
         out.raw_headers = headers_out
         return out
 
+    async def _body(self, raw: aiohttp.ClientResponse, path: str):
+        """The relayed body as it arrives; a body cut short raises (the client's response is cut too).
+
+        However the relay ends (done, client gone, upstream broke), the connection is handed back
+        or closed when the generator is closed.
+        """
+        try:
+            async for chunk in raw.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, OSError) as exc:
+            raise self._translate(exc, path) from exc
+        finally:
+            if raw.content.at_eof():
+                raw.release()
+            else:
+                raw.close()
+
     async def aclose(self) -> None:
+        self.pool.close()
         await self.session.close()
-
-
-async def _body(resp: UpstreamResponse):
-    """The relayed body as it arrives; a body cut short raises (the client's response is cut too).
-
-    However the relay ends (done, client gone, upstream broke), the connection is handed back or
-    closed when the generator is closed.
-    """
-    try:
-        while (chunk := await resp.next_chunk()) is not None:
-            yield chunk
-    finally:
-        resp.close()

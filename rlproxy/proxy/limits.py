@@ -84,7 +84,9 @@ class Limits:
                 if declared > limit:
                     await respond(send, 413, _body_of(too_large(limit, declared)))
                     return
-                break
+                # the parser delivers no more than Content-Length bytes: nothing left to count
+                await self._call(scope, receive, send)
+                return
         seen = 0
 
         async def counted() -> dict:
@@ -97,9 +99,12 @@ class Limits:
                     raise too_large(limit)
             return message
 
+        await self._call(scope, counted, send)
+
+    async def _call(self, scope, receive, send) -> None:
         self.in_flight += 1
         try:
-            await self.app(scope, counted, send)
+            await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
 

@@ -81,7 +81,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._n_headers = 0
         self._over_capacity = False
         self._refused = False
+        # one deadline at a time (head, then body); the timer is re-armed lazily, not per request
+        self._deadline: float | None = None
+        self._late: Any = None  # what to do when the deadline passes
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # --- connection ---
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -93,7 +97,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_timer()
+        self._deadline = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -136,7 +143,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._n_headers > self.limits.max_headers:
             self._refuse(431, f"more than {self.limits.max_headers} request headers", False)
             raise _Refused()
-        super().on_header(name, value)
+        # uvicorn's own on_header, inlined: it runs for every header of every request
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -153,7 +164,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             )
             raise _Refused()
         super().on_headers_complete()
-        self._arm(self.limits.body_timeout, self._body_late)
+        if not self.pipeline:  # a queued (pipelined) request is not read until its turn: no deadline
+            self._arm(self.limits.body_timeout, self._body_late)
 
     def on_message_complete(self) -> None:
         self._cancel_timer()
@@ -162,22 +174,38 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     # --- deadlines and refusals ---
-    def _arm(self, seconds: float, callback: Any) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self.loop.call_later(seconds, callback)
+    def _arm(self, seconds: float, late: Any) -> None:
+        """Set the deadline `seconds` from now; `late()` runs if it passes first.
+
+        Per request this is a clock read: a timer already pending (one every few seconds per busy
+        connection) is left alone and re-armed for the deadline of the moment when it fires.
+        """
+        self._deadline = at = self.loop.time() + seconds
+        self._late = late
+        if self._timer is None or self._timer_at > at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(at, self._on_timer)
+            self._timer_at = at
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline = None  # a pending timer finds nothing to do
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._deadline is None or self.transport.is_closing():
+            return
+        if self.loop.time() < self._deadline:
+            self._timer = self.loop.call_at(self._deadline, self._on_timer)
+            self._timer_at = self._deadline
+            return
+        self._deadline = None
+        self._late()
 
     def _head_late(self) -> None:
-        self._timer = None
         self._refuse(408, f"request headers not received within {self.limits.header_timeout:g} s", False)
 
     def _body_late(self) -> None:
-        self._timer = None
         self._refuse(408, f"request body not received within {self.limits.body_timeout:g} s", True)
 
     def _refuse(

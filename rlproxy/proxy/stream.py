@@ -27,7 +27,7 @@ from starlette.responses import Response
 from rlproxy.errors import BackendError
 from rlproxy.proxy.capture import Injected, StreamAssembler, strip
 from rlproxy.proxy.errors import status_of
-from rlproxy.proxy.forward import UpstreamResponse
+from rlproxy.proxy.http11 import Response as UpstreamResponse
 
 logger = logging.getLogger(__name__)
 

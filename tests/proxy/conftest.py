@@ -24,7 +24,7 @@ def engine_backend(embedded_backend: Any) -> Any:
 
 @pytest.fixture
 def stub(loop_thread: LoopThread) -> Iterator[Any]:
-    """A plain-asyncio upstream that answers like vLLM (bench/stub_upstream.py)."""
+    """A plain-asyncio upstream that answers like vLLM (tests/stub_upstream.py)."""
     from stub_upstream import StubUpstream
 
     s = StubUpstream()

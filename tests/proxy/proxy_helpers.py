@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import sys
 from pathlib import Path
 from typing import Any
 
 from support import LoopThread, free_port, make_lora  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))  # the stub upstream lives with the benchmark
 
 
 class ProxyServer:

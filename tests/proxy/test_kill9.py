@@ -106,7 +106,7 @@ def test_kill9_loses_no_received_response(tmp_path: Path) -> None:
     stub = subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "bench" / "stub_upstream.py"),
+            str(ROOT / "tests" / "stub_upstream.py"),
             "--port",
             str(free_port()),
             "--delay",

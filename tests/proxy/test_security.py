@@ -259,7 +259,7 @@ def test_trailing_slash_chat_route_is_captured(make_proxy, stub):
 
 def _redirecting_stub() -> Any:
     """The stub upstream, plus a 307 to its own address for `/v1/models/` (as vLLM's FastAPI does)."""
-    from stub_upstream import StubUpstream  # bench/ is on sys.path (proxy_helpers)
+    from stub_upstream import StubUpstream
 
     class Redirecting(StubUpstream):
         async def _handle(self, method, path, body, delay, w) -> None:

@@ -1,13 +1,12 @@
 """Storage fixtures: every test runs on SQLite and on PostgreSQL, each on a fresh database.
 
-PostgreSQL comes from RLPROXY_TEST_PG_URL (`source .ci/postgres.sh` sets it): each test gets its
-own database, created from that server and dropped after. Locally the PostgreSQL half skips when
-the variable is unset; in CI (CI=true) it fails instead, so it cannot silently not run.
+PostgreSQL is the session's server (`pg_server_url` in tests/conftest.py: RLPROXY_TEST_PG_URL, or a
+throwaway server from the `pgserver` wheel); each test gets its own database, created from that
+server and dropped after.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,16 +17,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from storage_sample import fill_sample, run_sync
 
 from rlproxy.storage.db import create_engine, upgrade
-
-
-def pg_base_url() -> str | None:
-    url = os.environ.get("RLPROXY_TEST_PG_URL")
-    if url:
-        return url
-    if os.environ.get("CI") == "true":
-        pytest.fail("RLPROXY_TEST_PG_URL is unset; in CI PostgreSQL tests must run (source .ci/postgres.sh)")
-    pytest.skip("RLPROXY_TEST_PG_URL is not set (source .ci/postgres.sh to run the PostgreSQL half)")
-    return None
 
 
 async def _pg_admin(base: str, sql: str) -> None:
@@ -58,10 +47,9 @@ def _drop_db(base: str, url: str) -> None:
 
 
 @pytest.fixture
-def pg_url() -> Iterator[str]:
+def pg_url(pg_server_url: str) -> Iterator[str]:
     """A fresh, empty PostgreSQL database (dropped after the test)."""
-    base = pg_base_url()
-    assert base is not None
+    base = pg_server_url
     url = _create_db(base, migrate=False)
     try:
         yield url
@@ -70,10 +58,9 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def _pg_shared() -> Iterator[str]:
-    """One migrated PostgreSQL database for the session (creating one per test costs ~1 s of fsyncs)."""
-    base = pg_base_url()
-    assert base is not None
+def _pg_shared(pg_server_url: str) -> Iterator[str]:
+    """One migrated PostgreSQL database for the session (cheaper than migrating one per test)."""
+    base = pg_server_url
     url = _create_db(base, migrate=True)
     try:
         yield url

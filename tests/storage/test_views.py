@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from storage_sample import CALL_A, CALL_C1, CALL_C2, PARTS, SYS, USER_PARIS, fill_sample
+from support import require
 
 from rlproxy.storage.db import create_engine, sqlite_path, upgrade
 
@@ -85,7 +86,7 @@ async def test_trajectories_view(sample_engine: AsyncEngine) -> None:
 async def test_sqlite3_command_line_reads_the_views(db_url: str) -> None:
     """`sqlite3 rlproxy.db "SELECT * FROM trajectories"` must just work (Debian's sqlite3 package)."""
     exe = shutil.which("sqlite3")
-    assert exe, "the sqlite3 command line is missing: apt-get install sqlite3"
+    require(exe, "the sqlite3 command line is missing (root: apt-get install sqlite3)")
     upgrade(db_url)
     eng = create_engine(db_url)
     await fill_sample(eng)

@@ -1,4 +1,4 @@
-"""A minimal OpenAI-compatible upstream in plain asyncio, for measuring the proxy (not a model).
+"""A minimal OpenAI-compatible upstream in plain asyncio, for testing and measuring the proxy (not a model).
 
 HTTP/1.1 with keep-alive, no web framework, so its own cost stays far below the proxy's. It answers
 like vLLM 0.32: `POST /v1/chat/completions` and `/v1/completions`, streaming or not, with
@@ -9,7 +9,9 @@ Behaviour knobs: `delay` seconds before answering (the model's pace; a streaming
 over its chunks), `tokens` per choice. A request header `x-stub-delay: S` overrides the delay for
 that request (the proxy's timeout test uses it).
 
-    python bench/stub_upstream.py --port 9100 --delay 0.05
+    python tests/stub_upstream.py --port 9100 --delay 0.05
+
+The proxy tests import it (`stub` fixture); bench/proxy.py runs it as this script.
 """
 
 from __future__ import annotations
