@@ -1,10 +1,12 @@
 """A minimal keep-alive HTTP/1.1 client for the two hot routes (asyncio protocol + httptools/llhttp).
 
-Why not a general client here: measured with bench/proxy.py, aiohttp's client costs the proxy
-1.5-1.8x the CPU per request of this one (httpx more still) and drops the 64-concurrent throughput
-under its goal; see bench/README.md. So the hot path keeps this client and proves it instead:
-tests/proxy/test_upstream_conformance.py drives it against a raw-socket upstream through every case
-below. Every other `/v1/*` path goes over aiohttp (`forward.Upstream.relay`).
+Why not a general client here: measured with `bench/proxy.py --quick` (alternating runs, same
+stub), aiohttp's client (3.14, C parser) cost the proxy 0.37-0.50 ms of CPU per request against
+0.24-0.29 ms with this one (1.5-1.8x at concurrency 1, ~1.35x at 64, ~1.45x streaming), added
+0.36-0.48 ms at p50 instead of 0.21-0.34 ms, and brought 64-concurrent throughput to 0.78-0.86x
+direct (0.67-0.78x streaming), under the 0.9x goal. So the hot path keeps this client and proves
+it instead: tests/proxy/test_upstream_conformance.py drives it against a raw-socket upstream
+through every case below. Every other `/v1/*` path goes over aiohttp (`forward.Upstream.relay`).
 
 What it does, and only that: POST a body on a pooled connection, read the status and headers, then
 the body whole or as it arrives (content-length, chunked with extensions and trailers, or framed by
@@ -48,6 +50,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.max_head = max_head
         self.closed = False
+        self.idle = False  # in the pool, no request outstanding: any byte is a protocol error
         self.idle_since = 0.0
         self._reset()
 
@@ -66,6 +69,7 @@ class _Connection(asyncio.Protocol):
         self.head_bytes = 0  # bytes read while the head was incomplete
         self.header_bytes = 0  # bytes of the header fields parsed
         self.too_big = False
+        self.unsolicited = False  # bytes after the complete answer: the connection is out of step
         self.paused = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
@@ -73,6 +77,11 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.idle or self.complete:  # nobody asked: never let it answer the next request
+            self.unsolicited = True
+            self.keep_alive = False
+            self.transport.close()
+            return
         if not self.headers_done:
             self.head_bytes += len(data)
         try:
@@ -80,6 +89,9 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(ConnectionError(f"malformed HTTP response from the upstream: {exc}"))
             return
+        if self.unsolicited:  # a second answer in the same read: keep the first, drop the connection
+            self.keep_alive = False
+            self.transport.close()
         # a head still incomplete after max_head bytes (a trickle), or complete but too big
         if self.too_big or (not self.headers_done and self.head_bytes > self.max_head):
             self._fail(ConnectionError(f"the upstream's response head exceeds {self.max_head} bytes"))
@@ -104,13 +116,19 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks ------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self.unsolicited = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.headers_done:  # a trailer field: hop-by-hop, dropped
+        if self.headers_done or self.unsolicited:  # a trailer field: hop-by-hop, dropped
             return
         self.header_bytes += len(name) + len(value) + 4
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        if self.unsolicited:
+            return
         status = self.parser.get_status_code()
         if self.header_bytes > self.max_head:
             self.too_big = True  # never headers_done: the request fails with the connection
@@ -127,6 +145,8 @@ class _Connection(asyncio.Protocol):
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
+        if self.unsolicited:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _PAUSE_AT and not self.paused and self.transport is not None:
@@ -134,6 +154,8 @@ class _Connection(asyncio.Protocol):
             self.paused = True
 
     def on_message_complete(self) -> None:
+        if self.unsolicited:
+            return
         if self.interim:  # the real answer follows on the same connection
             self.interim = False
             self.head_bytes = self.header_bytes = 0
@@ -314,6 +336,7 @@ class Pool:
         self._slots.release()
         if conn.complete and conn.keep_alive and not conn.closed and conn.error is None:
             conn._reset()
+            conn.idle = True
             conn.idle_since = asyncio.get_running_loop().time()
             self._idle.append(conn)
             return
@@ -352,6 +375,7 @@ class Pool:
         conn = None
         try:
             conn = self._pooled() or await self._connect()
+            conn.idle = False
             conn.transport.write(payload)
             await conn.read_headers()
         except BaseException as exc:

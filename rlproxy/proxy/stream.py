@@ -25,9 +25,9 @@ import orjson
 from starlette.responses import Response
 
 from rlproxy.errors import BackendError
+from rlproxy.proxy import http11
 from rlproxy.proxy.capture import Injected, StreamAssembler, strip
 from rlproxy.proxy.errors import status_of
-from rlproxy.proxy.http11 import Response as UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class StreamRelay(Response):
 
     def __init__(
         self,
-        upstream: UpstreamResponse,
+        upstream: http11.Response,
         headers: list[tuple[bytes, bytes]],
         assembler: StreamAssembler,
         inj: Injected,

@@ -43,7 +43,7 @@ class TrainerConfig(BaseModel):
         8,
         ge=0,
         description="samples drawn more than this many adapter steps ago are not trained on (counted "
-        "batch/stale; runs left with nothing are marked skipped); None = no limit",
+        "batch/stale; a step left with none marks its runs skipped); None = no limit",
     )
     sampling_logprobs: Literal["raw", "processed"] = Field(
         "raw",

@@ -316,6 +316,30 @@ def test_interim_1xx_before_the_answer_is_skipped(proxy, upstream, interim):
     assert_own_tokens(proxy, [1, 2, 3, 4])
 
 
+@pytest.mark.parametrize("when", ["same-write", "later"])
+def test_unsolicited_answer_never_reaches_the_next_request(proxy, upstream, when):
+    """An upstream that answers one request twice (in the same write, or a moment later while the
+    connection idles in the pool): the extra answer is dropped with its connection, and every
+    following request gets its own response (the crossing of issue case 1, from the other side)."""
+
+    async def handler(req, reader, writer):
+        writer.write(response(200, completion(req)))
+        if req.json()["max_tokens"] == 1:
+            if when == "later":
+                await writer.drain()
+                await asyncio.sleep(0.1)
+            writer.write(response(200, completion(req)))
+        return None
+
+    upstream.handler = handler
+    assert post(proxy, 1).status_code == 200
+    time.sleep(0.3)
+    for n in (2, 3):
+        resp = post(proxy, n)
+        assert resp.status_code == 200 and len(resp.json()["choices"][0]["message"]["content"].split()) == n
+    assert_own_tokens(proxy, [1, 2, 3])
+
+
 # ---- framing: chunked with extensions and trailers, Connection: close ------------------------
 
 
