@@ -1,9 +1,10 @@
 """Requests of each run still on their way to the writer.
 
-A reward for a run must see every completion of that run that the client has already received. A
-non-streaming response is submitted to the writer before it is returned, but a stream is submitted
-after its last chunk went out, so the client can post the reward first. `InFlight` counts requests
-per run from arrival until their record is submitted; the reward route waits for zero.
+A reward for a run must see every completion of that run that the client has already received.
+Every record is submitted (journaled, then queued) before its response's last byte goes out, but a
+client can post the reward while another request of the same run is still running (a stream still
+relaying). `InFlight` counts requests per run from arrival until their record is submitted; the
+reward route waits a bounded time for zero, then answers 503 (retryable).
 """
 
 from __future__ import annotations

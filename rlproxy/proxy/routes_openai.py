@@ -5,8 +5,8 @@ hot path, served by `HotPath`, a pure ASGI app in front of FastAPI's router: the
 raw bytes and checked by hand (no pydantic model), rewritten for the upstream (model ->
 `{policy}@{step}`, capture fields injected), forwarded over `forward.Upstream`, and answered with what
 the upstream said minus the injected fields, plus `X-Policy-Step`. A non-streaming completion is
-submitted to the writer just before its response is sent (`submit` only enqueues); a stream's after
-its last chunk. Every other `/v1/*` path goes through FastAPI and is relayed untouched, except the
+submitted to the writer just before its response is sent (`submit` journals and enqueues); a
+stream's just before its last chunk. Every other `/v1/*` path goes through FastAPI and is relayed untouched, except the
 engine-management routes (`ENGINE_ONLY`, 403) and upstream redirects (502, never relayed). A hot
 route with a trailing slash (`/v1/chat/completions/`) is captured like the plain one.
 """

@@ -57,6 +57,16 @@ class StreamRelay(Response):
         self.done = done
         self.ttft: float | None = None
         self.error: str | None = None
+        self._reported = False
+
+    def _report(self, status: str, code: int) -> None:
+        """Store the record once: before the last byte when the stream ends well, else when it ends."""
+        if self._reported:
+            return
+        self._reported = True
+        if status == "ok" and self.error is not None:
+            status = "error"
+        self.done(status, self.error, self.ttft, code)
 
     async def __call__(self, scope, receive, send) -> None:
         task = asyncio.current_task()
@@ -101,9 +111,7 @@ class StreamRelay(Response):
             state["finished"] = True
             watcher.cancel()
             self.upstream.close()  # a cut stream closes the upstream connection: the upstream aborts
-            if status == "ok" and self.error is not None:
-                status = "error"
-            self.done(status, self.error, self.ttft, code)
+            self._report(status, code)
 
     async def _relay(self, send) -> None:
         """Relay until the upstream's body ends; the last write also ends the response (one syscall)."""
@@ -124,11 +132,14 @@ class StreamRelay(Response):
                 out.append(self._event(event, rewrite))
             last = upstream.finished and not buf.strip()
             body = b"".join(out) if rewrite else data
+            if last:  # journaled before the client can have the whole stream (see storage/journal.py)
+                self._report("ok", upstream.status_code)
             if body or last:
                 await send({"type": "http.response.body", "body": body, "more_body": not last})
             if last:
                 return
         tail = self._event(buf, rewrite) if buf.strip() else b""  # a last event without its blank line
+        self._report("ok", upstream.status_code)
         await send({"type": "http.response.body", "body": tail if rewrite else b"", "more_body": False})
 
     def _event(self, event: bytes, rewrite: bool) -> bytes:
