@@ -4,6 +4,9 @@
     POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}
     POST /v1/unload_lora_adapter {lora_name}
 
+The routes are the plain handlers on `router` below; each reads its engine from `request.app.state`,
+so one router serves any number of engines. `create_engine_app` only assembles the app.
+
 With `api_key` set, every route but `/health` needs `Authorization: Bearer <api_key>` and answers
 401 `{"error": "Unauthorized"}` (vLLM's `--api-key` answer) without it: the proxy's engine is reached
 only with the per-process secret the composition root made.
@@ -17,17 +20,19 @@ thread (`Generation`, `Engine.call`) and await it, so the event loop stays free.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlproxy.errors import AdapterError, APIError
 from rlproxy.inference.engine import Engine
@@ -39,21 +44,123 @@ log = logging.getLogger(__name__)
 
 _TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
+router = APIRouter()
 
-def _error(status: int, message: str, param: str | None = None, type: str | None = None) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": type or _TYPES.get(status, "BadRequestError"),
-            "param": param,
-            "code": status,
+
+def create_engine_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+    """The OpenAI app for one engine (`api_key`: see the module doc); the caller starts and closes it."""
+    app = FastAPI(title="rlproxy embedded engine", redirect_slashes=False)
+    if api_key:
+        app.add_middleware(BearerCheck, api_key=api_key)
+    app.state.engine = engine
+    app.state.created = int(time.time())  # the `created` of every /v1/models entry
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(Exception, _internal)
+    app.include_router(router)
+    return app
+
+
+class BearerCheck:
+    """Pure ASGI: 401 unless `Authorization: Bearer <key>` (compared in constant time); `/health` open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = b"Bearer " + api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = b'{"error":"Unauthorized"}'
+                headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routes
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    engine, created = _engine(request), request.app.state.created
+
+    def card(id: str, root: str, parent: str | None, max_model_len: int | None) -> dict[str, Any]:
+        return {
+            "id": id,
+            "object": "model",
+            "created": created,
+            "owned_by": "rlproxy",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len,
+            "permission": [],
         }
-    }
-    return JSONResponse(body, status_code=status)
+
+    data = [card(engine.served_name, engine.model_path, None, engine.max_model_len)]
+    data += [card(name, path, engine.served_name, None) for name, path in engine.adapters.listing().items()]
+    return {"object": "list", "data": data}
 
 
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    body: LoadLoRABody = await _parse(request, LoadLoRABody)
+    work = _engine(request).load_adapter(body.lora_name, body.lora_path, body.load_inplace)
+    return await _adapter_answer(work, f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Response:
+    body: UnloadLoRABody = await _parse(request, UnloadLoRABody)
+    work = _engine(request).unload_adapter(body.lora_name)
+    return await _adapter_answer(work, f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request) -> Response:
+    engine = _engine(request)
+    body: ChatBody = await _parse(request, ChatBody)
+    adapter = _adapter_for(engine, body.model)
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            messages_for_template(body.messages),
+            tools=body.tools or None,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+    except Exception as exc:  # template errors are the caller's messages, not a server fault
+        raise APIError(400, f"cannot apply the chat template: {exc}", type="BadRequestError") from exc
+    prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    return await _generate(engine, body, [prompt], adapter, "chatcmpl", _chat_stream, _chat_result)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    engine = _engine(request)
+    body: CompletionBody = await _parse(request, CompletionBody)
+    adapter = _adapter_for(engine, body.model)
+    tok = engine.tokenizer
+    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    vocab = len(tok)
+    for p in prompts:
+        if not p or any(not isinstance(t, int) or t < 0 or t >= vocab for t in p):
+            raise APIError(400, "prompt token ids must be in [0, vocab size) and non-empty", param="prompt")
+    return await _generate(engine, body, prompts, adapter, "cmpl", _completion_stream, _completion_result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Request plumbing shared by the routes
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
 
 
 async def _parse(request: Request, cls: type[BaseModel]) -> Any:
@@ -70,281 +177,212 @@ async def _parse(request: Request, cls: type[BaseModel]) -> Any:
         raise APIError(400, f"{first.get('msg')} ({param})", type="BadRequestError", param=param) from exc
 
 
-class BearerCheck:
-    """Pure ASGI: 401 unless `Authorization: Bearer <key>` (compared in constant time); `/health` open."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = b"Bearer " + api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                body = b'{"error":"Unauthorized"}'
-                headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-                await send({"type": "http.response.start", "status": 401, "headers": headers})
-                await send({"type": "http.response.body", "body": body})
-                return
-        await self.app(scope, receive, send)
+def _adapter_for(engine: Engine, model: str | None) -> str | None:
+    """None for the base model, else the adapter name; unknown names are 404 like vLLM."""
+    if model in (None, "", engine.served_name, engine.model_path):
+        return None
+    if model in engine.adapters.names:
+        return model
+    raise APIError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model")
 
 
-def create_engine_app(engine: Engine, api_key: str | None = None) -> FastAPI:
-    """The OpenAI app for one engine (`api_key`: see the module doc); the caller starts and closes it."""
-    app = FastAPI(title="rlproxy embedded engine", redirect_slashes=False)
-    if api_key:
-        app.add_middleware(BearerCheck, api_key=api_key)
-    app.state.engine = engine
-    tok = engine.tokenizer
-    created = int(time.time())
+async def _adapter_answer(work: concurrent.futures.Future, success: str) -> Response:
+    """Await an adapter load/unload on the worker thread: `success` as text, or vLLM's error body."""
+    try:
+        await asyncio.wrap_future(work)
+    except AdapterError as exc:
+        return _error(exc.status, str(exc), type="InvalidUserInput" if exc.status == 400 else None)
+    return PlainTextResponse(success)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.param, exc.type)
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("engine request failed")
-        return _error(500, f"internal error: {exc}", type="InternalServerError")
-
-    def adapter_for(model: str | None) -> str | None:
-        """None for the base model, else the adapter name; unknown names are 404 like vLLM."""
-        if model in (None, "", engine.served_name, engine.model_path):
-            return None
-        if model in engine.adapters.names:
-            return model
-        raise APIError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model")
-
-    def check_length(prompt: list[int], max_tokens: int | None) -> None:
-        limit = engine.max_model_len
-        if len(prompt) + (max_tokens or 1) > limit:
+async def _generate(
+    engine: Engine,
+    body: ChatBody | CompletionBody,
+    prompts: list[list[int]],
+    adapter: str | None,
+    id_prefix: str,
+    stream: Callable[[Any, Generation, Any, dict[str, Any]], AsyncIterator[str]],
+    result: Callable[[Any, Generation, Any, list[Choice]], dict[str, Any]],
+) -> Response:
+    """Run `prompts` × `body.n` on the engine: an SSE stream of `stream`'s chunks, or one JSON body
+    (`result`) once every choice has finished; both start with the same id/created/model."""
+    params = body.params(engine.sampling_defaults)
+    limit = engine.max_model_len
+    for p in prompts:
+        if len(p) + (params.max_tokens or 1) > limit:
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{(max_tokens or 1)} output tokens and your prompt contains {len(prompt)} input tokens.",
+                f"{(params.max_tokens or 1)} output tokens and your prompt contains {len(p)} input tokens.",
                 type="BadRequestError",
             )
+    gen = Generation(engine, prompts, params, body.n, adapter)
+    meta = {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": body.model or engine.served_name,
+    }
+    if body.stream:
+        return StreamingResponse(stream(engine.tokenizer, gen, body, meta), media_type="text/event-stream")
+    async with gen:
+        results = await gen.finish()
+    if any(c.finish_reason == "error" for c in results):
+        raise APIError(500, "the engine failed while generating; see its log", type="InternalServerError")
+    return JSONResponse({**meta, **result(engine.tokenizer, gen, body, results)})
 
-    def check_finished(results: list[Choice]) -> list[Choice]:
-        if any(c.finish_reason == "error" for c in results):
-            raise APIError(500, "the engine failed while generating; see its log", type="InternalServerError")
-        return results
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        data = [
-            {
-                "id": engine.served_name,
-                "object": "model",
-                "created": created,
-                "owned_by": "rlproxy",
-                "root": engine.model_path,
-                "parent": None,
-                "max_model_len": engine.max_model_len,
-                "permission": [],
-            }
-        ]
-        for name, path in engine.adapters.listing().items():
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "rlproxy",
-                    "root": path,
-                    "parent": engine.served_name,
-                    "max_model_len": None,
-                    "permission": [],
-                }
-            )
-        return {"object": "list", "data": data}
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> Response:
-        body: LoadLoRABody = await _parse(request, LoadLoRABody)
-        try:
-            await asyncio.wrap_future(engine.load_adapter(body.lora_name, body.lora_path, body.load_inplace))
-        except AdapterError as exc:
-            return _error(exc.status, str(exc), type="InvalidUserInput" if exc.status == 400 else None)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> Response:
-        body: UnloadLoRABody = await _parse(request, UnloadLoRABody)
-        try:
-            await asyncio.wrap_future(engine.unload_adapter(body.lora_name))
-        except AdapterError as exc:
-            return _error(exc.status, str(exc), type="InvalidUserInput" if exc.status == 400 else None)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        body: ChatBody = await _parse(request, ChatBody)
-        adapter = adapter_for(body.model)
-        try:
-            text = tok.apply_chat_template(
-                messages_for_template(body.messages),
-                tools=body.tools or None,
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        except Exception as exc:  # template errors are the caller's messages, not a server fault
-            raise APIError(400, f"cannot apply the chat template: {exc}", type="BadRequestError") from exc
-        prompt = tok.encode(text, add_special_tokens=False)
-        params = body.params(engine.sampling_defaults)
-        check_length(prompt, params.max_tokens)
-        gen = Generation(engine, [prompt], params, body.n, adapter)
-        meta = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "created": int(time.time()),
-            "model": body.model or engine.served_name,
+def _error(status: int, message: str, param: str | None = None, type: str | None = None) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": type or _TYPES.get(status, "BadRequestError"),
+            "param": param,
+            "code": status,
         }
-        if body.stream:
-            return StreamingResponse(_chat_stream(gen, body, meta), media_type="text/event-stream")
-        async with gen:
-            results = check_finished(await gen.finish())
-        choices = []
-        for i, c in enumerate(results):
-            content: str | None = c.text
-            calls: list[dict[str, Any]] = []
-            if body.parse_tools:
-                content, calls = parse_tool_calls(c.text)
-            finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-            choice: dict[str, Any] = {
-                "index": i,
-                "message": {"role": "assistant", "content": content, "tool_calls": calls},
-                "logprobs": chat_logprobs(tok, c.logprobs) if body.logprobs else None,
-                "finish_reason": finish,
-                "stop_reason": c.stop_reason,
-            }
-            if body.return_token_ids:
-                choice["token_ids"] = c.token_ids
-            choices.append(choice)
-        resp = {**meta, "object": "chat.completion", "choices": choices, "usage": gen.usage()}
+    }
+    return JSONResponse(body, status_code=status)
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return _error(exc.status, exc.message, exc.param, exc.type)
+
+
+async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("engine request failed")
+    return _error(500, f"internal error: {exc}", type="InternalServerError")
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat completions: one body, or chunks
+
+
+def _chat_result(tok: Any, gen: Generation, body: ChatBody, results: list[Choice]) -> dict[str, Any]:
+    choices = []
+    for i, c in enumerate(results):
+        content: str | None = c.text
+        calls: list[dict[str, Any]] = []
+        if body.parse_tools:
+            content, calls = parse_tool_calls(c.text)
+        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": {"role": "assistant", "content": content, "tool_calls": calls},
+            "logprobs": chat_logprobs(tok, c.logprobs) if body.logprobs else None,
+            "finish_reason": finish,
+            "stop_reason": c.stop_reason,
+        }
         if body.return_token_ids:
-            resp["prompt_token_ids"] = prompt
-        return JSONResponse(resp)
+            choice["token_ids"] = c.token_ids
+        choices.append(choice)
+    resp: dict[str, Any] = {"object": "chat.completion", "choices": choices, "usage": gen.usage()}
+    if body.return_token_ids:
+        resp["prompt_token_ids"] = gen.prompt_ids(0)
+    return resp
 
-    async def _chat_stream(gen: Generation, body: ChatBody, meta: dict[str, Any]) -> AsyncIterator[str]:
-        base = {**meta, "object": "chat.completion.chunk"}
-        tools = [ToolStream() for _ in gen.choices] if body.parse_tools else None
-        async with gen:
-            for i in range(len(gen.choices)):
-                first = {
-                    **base,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-                if body.return_token_ids:
-                    first["prompt_token_ids"] = gen.prompt_ids(i)
-                yield _sse(first)
-            async for i, d in gen.deltas():
-                text, delta = d.text, {}
-                finish = d.finish_reason
-                if tools is not None:
-                    text = tools[i].feed(d.text)
-                    if finish is not None:
-                        rest, calls = tools[i].finish()
-                        text += rest
-                        if calls:
-                            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-                            finish = "tool_calls" if finish == "stop" else finish
-                if text:
-                    delta["content"] = text
-                if not delta and finish is None and not d.logprobs and not body.return_token_ids:
-                    continue
-                choice: dict[str, Any] = {
-                    "index": i,
-                    "delta": delta,
-                    "logprobs": chat_logprobs(tok, d.logprobs) if body.logprobs else None,
-                    "finish_reason": finish,
-                }
-                if finish is not None:
-                    choice["stop_reason"] = d.stop_reason
-                if body.return_token_ids:
-                    choice["token_ids"] = d.token_ids
-                yield _sse({**base, "choices": [choice]})
-            if body.include_usage:
-                yield _sse({**base, "choices": [], "usage": gen.usage()})
-        yield "data: [DONE]\n\n"
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body: CompletionBody = await _parse(request, CompletionBody)
-        adapter = adapter_for(body.model)
-        prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
-        vocab = len(tok)
-        for p in prompts:
-            if not p or any(not isinstance(t, int) or t < 0 or t >= vocab for t in p):
-                raise APIError(
-                    400, "prompt token ids must be in [0, vocab size) and non-empty", param="prompt"
-                )
-        params = body.params(engine.sampling_defaults)
-        for p in prompts:
-            check_length(p, params.max_tokens)
-        gen = Generation(engine, prompts, params, body.n, adapter)
-        meta = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "created": int(time.time()),
-            "model": body.model or engine.served_name,
-        }
-        if body.stream:
-            return StreamingResponse(_completion_stream(gen, body, meta), media_type="text/event-stream")
-        async with gen:
-            results = check_finished(await gen.finish())
-        choices = []
-        for i, c in enumerate(results):
-            choice: dict[str, Any] = {
-                "index": i,
-                "text": c.text,
-                "logprobs": completion_logprobs(tok, c.logprobs) if body.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
+async def _chat_stream(tok: Any, gen: Generation, body: ChatBody, meta: dict[str, Any]) -> AsyncIterator[str]:
+    base = {**meta, "object": "chat.completion.chunk"}
+    tools = [ToolStream() for _ in gen.choices] if body.parse_tools else None
+    async with gen:
+        for i in range(len(gen.choices)):
+            first = {
+                **base,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
             }
             if body.return_token_ids:
-                choice["prompt_token_ids"] = gen.prompt_ids(i)
-                choice["token_ids"] = c.token_ids
-            choices.append(choice)
-        return JSONResponse({**meta, "object": "text_completion", "choices": choices, "usage": gen.usage()})
+                first["prompt_token_ids"] = gen.prompt_ids(i)
+            yield _sse(first)
+        async for i, d in gen.deltas():
+            text, delta = d.text, {}
+            finish = d.finish_reason
+            if tools is not None:
+                text = tools[i].feed(d.text)
+                if finish is not None:
+                    rest, calls = tools[i].finish()
+                    text += rest
+                    if calls:
+                        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                        finish = "tool_calls" if finish == "stop" else finish
+            if text:
+                delta["content"] = text
+            if not delta and finish is None and not d.logprobs and not body.return_token_ids:
+                continue
+            choice: dict[str, Any] = {
+                "index": i,
+                "delta": delta,
+                "logprobs": chat_logprobs(tok, d.logprobs) if body.logprobs else None,
+                "finish_reason": finish,
+            }
+            if finish is not None:
+                choice["stop_reason"] = d.stop_reason
+            if body.return_token_ids:
+                choice["token_ids"] = d.token_ids
+            yield _sse({**base, "choices": [choice]})
+        if body.include_usage:
+            yield _sse({**base, "choices": [], "usage": gen.usage()})
+    yield "data: [DONE]\n\n"
 
-    async def _completion_stream(
-        gen: Generation, body: CompletionBody, meta: dict[str, Any]
-    ) -> AsyncIterator[str]:
-        base = {**meta, "object": "text_completion"}
-        started: set[int] = set()
-        offsets = [0] * len(gen.choices)
-        async with gen:
-            async for i, d in gen.deltas():
-                if not d.text and d.finish_reason is None and not d.logprobs and not body.return_token_ids:
-                    continue
-                choice: dict[str, Any] = {
-                    "index": i,
-                    "text": d.text,
-                    "logprobs": None,
-                    "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason,
-                }
-                if body.logprobs is not None:
-                    choice["logprobs"] = completion_logprobs(tok, d.logprobs, offsets[i])
-                    offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
-                if body.return_token_ids:
-                    if i not in started:
-                        choice["prompt_token_ids"] = gen.prompt_ids(i)
-                    choice["token_ids"] = d.token_ids
-                started.add(i)
-                yield _sse({**base, "choices": [choice]})
-            if body.include_usage:
-                yield _sse({**base, "choices": [], "usage": gen.usage()})
-        yield "data: [DONE]\n\n"
 
-    return app
+# ---------------------------------------------------------------------------------------------
+# Completions: one body, or chunks
+
+
+def _completion_result(
+    tok: Any, gen: Generation, body: CompletionBody, results: list[Choice]
+) -> dict[str, Any]:
+    choices = []
+    for i, c in enumerate(results):
+        choice: dict[str, Any] = {
+            "index": i,
+            "text": c.text,
+            "logprobs": completion_logprobs(tok, c.logprobs) if body.logprobs is not None else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        if body.return_token_ids:
+            choice["prompt_token_ids"] = gen.prompt_ids(i)
+            choice["token_ids"] = c.token_ids
+        choices.append(choice)
+    return {"object": "text_completion", "choices": choices, "usage": gen.usage()}
+
+
+async def _completion_stream(
+    tok: Any, gen: Generation, body: CompletionBody, meta: dict[str, Any]
+) -> AsyncIterator[str]:
+    base = {**meta, "object": "text_completion"}
+    started: set[int] = set()
+    offsets = [0] * len(gen.choices)
+    async with gen:
+        async for i, d in gen.deltas():
+            if not d.text and d.finish_reason is None and not d.logprobs and not body.return_token_ids:
+                continue
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": d.text,
+                "logprobs": None,
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+            if body.logprobs is not None:
+                choice["logprobs"] = completion_logprobs(tok, d.logprobs, offsets[i])
+                offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
+            if body.return_token_ids:
+                if i not in started:
+                    choice["prompt_token_ids"] = gen.prompt_ids(i)
+                choice["token_ids"] = d.token_ids
+            started.add(i)
+            yield _sse({**base, "choices": [choice]})
+        if body.include_usage:
+            yield _sse({**base, "choices": [], "usage": gen.usage()})
+    yield "data: [DONE]\n\n"
