@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlproxy.errors import ModelError
-from rlproxy.inference.models import make_tiny, resolve_model, served_name
+from rlproxy.inference.models import resolve_model, served_name
+from rlproxy.inference.tiny import make_tiny
 
 torch.set_num_threads(1)
 

@@ -26,8 +26,11 @@ class ProxyServer:
         self.db_path = db_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
-        self.server = uvicorn.Server(config)
+        from rlproxy.proxy import server
+
+        # the proxy runs under the uvicorn.Config `rlproxy serve` uses (its connection limits included)
+        settings = app.state.proxy.settings.model_copy(update={"host": "127.0.0.1", "port": self.port})
+        self.server = uvicorn.Server(server.config(app, settings, access_log=False, log_level="warning"))
 
     @property
     def state(self) -> Any:

@@ -29,43 +29,13 @@ BIN = Path(__file__).resolve().parents[2] / ".venv" / "bin"
 MB = 1024 * 1024
 
 
-class LimitedProxy(ProxyServer):
-    """A ProxyServer under `server.config` (the limits `rlproxy serve` runs with)."""
-
-    def __init__(self, lt: Any, app: Any, db_path: Path, settings: Any) -> None:
-        import uvicorn
-
-        from rlproxy.proxy import server
-
-        super().__init__(lt, app, db_path)
-        settings = settings.model_copy(update={"host": "127.0.0.1", "port": self.port})
-        self.server = uvicorn.Server(server.config(app, settings, access_log=False, log_level="warning"))
-
-
 @pytest.fixture
-def serve(loop_thread: Any, tmp_path: Path, stub: Any) -> Any:
-    """serve(**settings) -> a LimitedProxy in front of the stub upstream, on a fresh database."""
-    from rlproxy.inference.vllm import VLLMBackend
-    from rlproxy.proxy.app import create_app
-    from rlproxy.proxy.settings import Settings
-
-    started: list[LimitedProxy] = []
-
-    def make(**overrides: Any) -> LimitedProxy:
-        db_path = tmp_path / f"limits{len(started)}.db"
-        fields = {"db_url": f"sqlite+aiosqlite:///{db_path}", "train": False, "model": "stub-model"}
-        settings = Settings(**{**fields, **overrides})
-        app = create_app(settings, VLLMBackend("stub-model", upstream=stub.url))
-        proxy = LimitedProxy(loop_thread, app, db_path, settings).start()
-        started.append(proxy)
-        return proxy
-
-    yield make
-    for proxy in started:
-        proxy.stop()
+def serve(make_proxy: Any, stub: Any) -> Any:
+    """serve(**settings) -> a proxy in front of the stub upstream, on a fresh database."""
+    return lambda **overrides: make_proxy(stub.url, **overrides)
 
 
-def _connect(proxy: LimitedProxy, timeout: float = 10.0) -> socket.socket:
+def _connect(proxy: ProxyServer, timeout: float = 10.0) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
