@@ -118,8 +118,9 @@ def peak_rss_while_serving(max_tokens: int, threads: int) -> float:
     port = _free_port()
     code = (
         "import logging; logging.basicConfig(level=logging.WARNING);"
-        "from rlproxy.inference.embedded import run_engine;"
-        f"run_engine({MODEL!r}, host='127.0.0.1', port={port}, threads={threads})"
+        "import uvicorn; from rlproxy.inference.embedded import run_engine;"
+        f"run_engine({MODEL!r}, lambda app: uvicorn.Config(app, host='127.0.0.1', port={port}),"
+        f" threads={threads})"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

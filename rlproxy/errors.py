@@ -6,12 +6,17 @@
     ├── BackendError                  the inference backend misbehaved
     │   ├── BackendUnavailable        it cannot be reached or did not become healthy (HTTP 502)
     │   ├── BackendTimeout            it did not answer in time (HTTP 504)
-    │   └── AdapterError              loading/unloading a LoRA adapter failed
-    ├── StorageError                  the SQL store failed (not a caller mistake)
+    │   └── AdapterError              loading/unloading a LoRA adapter failed (the backend's status)
+    ├── StorageError                  the SQL store failed (storage/errors.py: 404, 409, 503)
     └── TrainerError                  a training step or checkpoint could not be completed
 
+Each class says how the HTTP API answers it: `status`, and OpenAI's error `type` and `code`
+(class attributes; a subclass overrides what differs). The one handler (`proxy/errors.py`) reads
+them; a 500 tells the client only an error id. Storage's own outcomes (unknown run 404, conflicting
+reward 409, store busy 503) are subclasses of `StorageError` in `storage/errors.py`.
+
 Caller mistakes on the HTTP API are not part of this tree: they are `APIError`s, rendered in
-OpenAI's error shape `{"error": {"message", "type", "param", "code"}}` by one handler.
+OpenAI's error shape `{"error": {"message", "type", "param", "code"}}` by the same handler.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from __future__ import annotations
 
 class RLProxyError(Exception):
     """Base class of every error rlproxy raises on purpose."""
+
+    status: int = 500  # the HTTP status the API answers with
+    type: str = "server_error"  # OpenAI's error type
+    code: str = "internal_error"  # OpenAI's error code
 
 
 class ConfigError(RLProxyError):
@@ -36,13 +45,21 @@ class BackendError(RLProxyError):
 class BackendUnavailable(BackendError):
     """The backend cannot be reached, or did not become healthy in time."""
 
+    status = 502
+    code = "upstream_unavailable"
+
 
 class BackendTimeout(BackendError):
     """The backend did not answer within the configured timeout."""
 
+    status = 504
+    code = "upstream_timeout"
+
 
 class AdapterError(BackendError):
     """Loading or unloading a LoRA adapter failed; `status` is the backend's HTTP status."""
+
+    code = "adapter_error"
 
     def __init__(self, message: str, status: int = 500) -> None:
         super().__init__(message)

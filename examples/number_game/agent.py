@@ -1,137 +1,16 @@
-"""A two-turn agent written against the plain OpenAI SDK; rlproxy makes it better as it runs.
+"""The demo's agent, as a script: a two-turn agent on the plain OpenAI SDK that rlproxy improves as it runs.
 
-It knows three things about rlproxy and nothing more:
-  * `OPENAI_BASE_URL` points at the proxy (e.g. http://127.0.0.1:8000/v1);
-  * each episode's requests carry `X-Run-Id: <episode id>`, and the episodes of one group share an
-    `X-Group-Id`, so the trainer compares episodes that started from the same task;
-  * at the end of an episode it POSTs the reward to `{OPENAI_BASE_URL}/runs/{run_id}/reward`.
+Its code lives in the package, `rlproxy/demo/number_game.py` (the task, the reward and the agent),
+so that `rlproxy demo` works from a plain `pip install rlproxy`; read it there.
 
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python examples/number_game/agent.py --groups 20
-
-The episodes of a group run concurrently (threads), so the server can batch them.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import os
 import sys
-import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import httpx
-from openai import OpenAI
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from task import FIRST_PROMPT, SECOND_PROMPT, score  # noqa: E402
-
-log = logging.getLogger("number_game")
-
-
-@dataclass
-class Episode:
-    run_id: str
-    group_id: str
-    reward: float
-    replies: list[str]
-    metrics: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-
-
-def post_reward(base_url: str, api_key: str, run_id: str, reward: float, metrics: dict[str, float]) -> None:
-    """Report the episode's outcome; the proxy stores it on the run and the trainer picks it up."""
-    response = httpx.post(
-        f"{base_url.rstrip('/')}/runs/{run_id}/reward",
-        json={"reward": reward, "metrics": metrics},
-        headers={"Authorization": f"Bearer {api_key}"},
-        timeout=60.0,
-    )
-    response.raise_for_status()
-
-
-def play_episode(
-    client: OpenAI, model: str, group_id: str, temperature: float = 1.0, max_tokens: int = 8
-) -> Episode:
-    """Two model calls with the environment's message in between; returns the scored episode."""
-    run_id = f"num-{uuid.uuid4().hex[:16]}"
-    headers = {"X-Run-Id": run_id, "X-Group-Id": group_id}
-    started = time.monotonic()
-    messages: list[dict[str, str]] = [{"role": "user", "content": FIRST_PROMPT}]
-    replies: list[str] = []
-    for follow_up in (SECOND_PROMPT, None):
-        completion = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            temperature=temperature,
-            max_tokens=max_tokens,
-            extra_headers=headers,
-        )
-        reply = completion.choices[0].message.content or ""
-        replies.append(reply)
-        messages.append({"role": "assistant", "content": reply})
-        if follow_up:
-            messages.append({"role": "user", "content": follow_up})
-    reward, metrics = score(replies[0], replies[1])
-    return Episode(run_id, group_id, reward, replies, metrics, round(time.monotonic() - started, 3))
-
-
-def run_group(
-    client: OpenAI,
-    model: str,
-    base_url: str,
-    api_key: str = "not-needed",
-    group_size: int = 8,
-    temperature: float = 1.0,
-    max_tokens: int = 8,
-) -> list[Episode]:
-    """Play one group of episodes at the same time and post each reward as its episode ends."""
-    group_id = f"num-{uuid.uuid4().hex[:12]}"
-
-    def one(_: int) -> Episode:
-        episode = play_episode(client, model, group_id, temperature, max_tokens)
-        post_reward(base_url, api_key, episode.run_id, episode.reward, episode.metrics)
-        return episode
-
-    with ThreadPoolExecutor(max_workers=group_size) as pool:
-        return list(pool.map(one, range(group_size)))
-
-
-def default_model(client: OpenAI) -> str:
-    """The first model the server lists: behind rlproxy, the default policy (the base model's name)."""
-    return client.models.list().data[0].id
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--groups", type=int, default=10, help="groups to play, one after the other")
-    p.add_argument("--group-size", type=int, default=8, help="episodes per group, played concurrently")
-    p.add_argument("--model", default=None, help="model (policy) name; default: the server's first model")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens per reply")
-    p.add_argument("--json", action="store_true", help="print one JSON line per episode")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    base_url = os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
-    api_key = os.environ.get("OPENAI_API_KEY", "not-needed")
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=1)
-    model = args.model or default_model(client)
-    for g in range(args.groups):
-        episodes = run_group(
-            client, model, base_url, api_key, args.group_size, args.temperature, args.max_tokens
-        )
-        if args.json:
-            for e in episodes:
-                print(json.dumps(asdict(e)))
-        mean = sum(e.reward for e in episodes) / len(episodes)
-        print(f"group {g + 1}/{args.groups}: mean reward {mean:.3f}  e.g. {episodes[0].replies!r}")
-    return 0
-
+from rlproxy.demo.number_game import main
 
 if __name__ == "__main__":
     sys.exit(main())

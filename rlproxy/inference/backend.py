@@ -4,11 +4,26 @@ Both backends (the embedded transformers engine and vLLM) expose the same OpenAI
 API at `base_url` (routes under `/v1/...`, plus vLLM's `/v1/load_lora_adapter` and
 `/v1/unload_lora_adapter`). The proxy forwards to `base_url`; the trainer publishes adapters with
 `load_adapter`. Neither can tell the backends apart.
+
+An adapter is served under the name `{policy}@{step}`: the trainer publishes it under that name and
+the proxy routes a policy's requests to it. `adapter_name` builds it and `parse_adapter_name` reads
+it, for both.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
+
+
+def adapter_name(policy: str, step: int) -> str:
+    """The model name step `step` of `policy` is served under: `{policy}@{step}`."""
+    return f"{policy}@{step}"
+
+
+def parse_adapter_name(model: str) -> tuple[str, int] | None:
+    """(policy, step) of a `{policy}@{step}` name, or None when `model` is not one."""
+    policy, at, step = model.rpartition("@")
+    return (policy, int(step)) if at and step.isdigit() else None
 
 
 @runtime_checkable

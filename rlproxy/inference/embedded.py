@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -144,20 +145,23 @@ class EmbeddedBackend:
 
 def run_engine(
     model: str,
-    host: str = "127.0.0.1",
-    port: int = 8001,
+    server_config: Callable[[Any], uvicorn.Config],
     threads: int | None = None,
     cache_dir: str | Path | None = None,
     max_batch: int = 16,
     api_key: str | None = None,
 ) -> None:
-    """Serve the embedded engine alone until interrupted (`rlproxy engine`); `api_key` as above."""
+    """Serve the embedded engine alone until interrupted (`rlproxy engine`); `api_key` as above.
+
+    `server_config(app)` is the uvicorn.Config to serve the engine's app with (the CLI passes the
+    proxy's own, limits included: this package does not import the proxy).
+    """
     path = resolve_model(model, cache_dir=cache_dir)
     engine = Engine(path, served_name=served_name(model), threads=threads, max_batch=max_batch)
     engine.start()
     try:
-        log.info("serving %s (%s) at http://%s:%d/v1", served_name(model), path, host, port)
-        app = create_engine_app(engine, api_key=api_key)
-        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+        config = server_config(create_engine_app(engine, api_key=api_key))
+        log.info("serving %s (%s) at http://%s:%d/v1", served_name(model), path, config.host, config.port)
+        uvicorn.Server(config).run()
     finally:
         engine.close()

@@ -1,10 +1,11 @@
-"""The proxy application: `create_app(settings, backend, services)`.
+"""The proxy's FastAPI app and its lifespan: `create_app(state)`.
 
-The lifespan owns every resource and closes it in reverse order: the database (migrated to head on
-start), the writer task, the backend (started or attached), the pooled upstream client, the
-background tasks (policy poll, run expiry) and the caller's services (the trainer). Route modules
-find all of it on `app.state.proxy` (a `ProxyState`); `app.state.policies.set_step` is what the
-trainer's `on_publish` calls.
+The composition root (`rlproxy/compose.py`) builds the parts, includes the routers and puts the
+ASGI layers around this app; here is what runs between start and stop. The lifespan owns every
+resource and closes it in reverse order: the database (migrated to head on start), the writer
+task, the backend (started or attached), the pooled upstream client, the background tasks (policy
+poll, run expiry) and the root's services (the trainer). Route modules find all of it on
+`app.state.proxy` (a `ProxyState`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -21,14 +21,11 @@ from fastapi import FastAPI
 
 from rlproxy.inference.backend import Backend
 from rlproxy.proxy import errors
-from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
-from rlproxy.proxy.guard import Guard, allowed_host_names, is_loopback
 from rlproxy.proxy.inflight import InFlight
-from rlproxy.proxy.limits import Limits
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies
-from rlproxy.proxy.settings import Settings
+from rlproxy.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -79,55 +76,12 @@ def _journal(settings: Settings, db_url: str):
     return Journal(folder, max_bytes=settings.journal_max_bytes) if folder is not None else None
 
 
-class ProxyApp(FastAPI):
-    """FastAPI with the hot path and the request guard in front of its own middleware stack.
-
-    The completion routes are served by `routes_openai.HotPath` before FastAPI's stack (error
-    middleware, telemetry, router), which costs more per request than the proxy's whole budget
-    allows; `guard.Guard` (canonical path, Host, Origin, keys, content type) wraps both.
-    """
-
-    public_paths: tuple[str, ...] = ("/healthz",)
-
-    def build_middleware_stack(self):
-        from rlproxy.proxy import routes_openai
-
-        state = self.state.proxy
-        app = routes_openai.HotPath(super().build_middleware_stack(), state)
-        s = state.settings
-        principals = Principals(s.api_key, s.admin_key, public=self.public_paths)
-        if principals.open and not is_loopback(s.host):
-            logger.warning(
-                "listening on %s without RLPROXY_API_KEY or RLPROXY_ADMIN_KEY: whoever reaches it can "
-                "use it, read every run and feed the trainer (see README, Security)",
-                s.host,
-            )
-        app = Guard(
-            app,
-            principals,
-            allowed_hosts=allowed_host_names(s.allowed_hosts, s.host),
-            cors_origins=tuple(o.strip() for o in s.cors_origins.split(",") if o.strip()),
-        )
-        # outermost: body size on every route and requests in flight (proxy/limits.py)
-        return Limits(app, s.max_body_bytes, s.max_reward_body_bytes, s.max_concurrent_requests)
-
-
-def create_app(settings: Settings, backend: Backend, services: Sequence = ()) -> FastAPI:
-    """The FastAPI app proxying to `backend`, capturing into `settings.db_url`, running `services`."""
+def create_app(state: ProxyState) -> FastAPI:
+    """The FastAPI app whose lifespan opens and closes `state`'s resources (no routes: the root adds them)."""
     from rlproxy.storage import db
 
+    settings, backend, services = state.settings, state.backend, state.services
     db_url = db.normalize_url(settings.db_url)
-    try:  # known before start() for the embedded engine; an attached server tells us on start()
-        base_model = backend.served_model
-    except Exception:
-        base_model = settings.model
-    state = ProxyState(
-        settings=settings,
-        backend=backend,
-        policies=Policies(base_model, settings.model_map),
-        gate=TrainGate(settings.blocking_train),
-        services=tuple(services),
-    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -197,24 +151,9 @@ def create_app(settings: Settings, backend: Backend, services: Sequence = ()) ->
                 await state.engine.dispose()
 
     # no redirect_slashes: a redirect would answer a path the guard let through with another one
-    app = ProxyApp(
+    app = FastAPI(
         title="rlproxy", lifespan=lifespan, docs_url="/docs", redoc_url=None, redirect_slashes=False
     )
     app.state.proxy = state
-    app.state.policies = state.policies
     errors.install(app)
-
-    from rlproxy.proxy import routes_openai, routes_runs
-
-    app.include_router(routes_runs.router)
-    public: tuple[str, ...] = ("/healthz",)
-    try:
-        from rlproxy.proxy import dashboard
-
-        app.include_router(dashboard.router)
-        public += tuple(dashboard.PUBLIC_PATHS)
-    except ImportError:  # the dashboard is optional
-        pass
-    app.include_router(routes_openai.passthrough)
-    app.public_paths = public
     return app

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CHAT = "chat.completions"
-COMPLETIONS = "completions"
+from rlproxy.storage.records import Endpoint
+
+CHAT = Endpoint.CHAT  # a module global: compared on every stream chunk
 
 
 @dataclass(slots=True)

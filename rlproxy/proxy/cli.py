@@ -1,9 +1,8 @@
-"""The `rlproxy` command line and the composition root (`build_app`).
+"""The `rlproxy` command line: it parses options into `Settings` and calls the composition root.
 
 Every option also reads `RLPROXY_<OPTION>`: the Settings object is built from the environment
-first, then the options actually given on the command line override it. `build_app` is the one
-place that picks the backend, wires the trainer to the proxy (publish -> policy step, train state ->
-hold gate) and creates the app; tests and `serve` both go through it.
+first, then the options actually given on the command line override it. What `serve` runs is built
+by `rlproxy/compose.py` (`build_app`), the one place that wires the parts together.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from rlproxy.errors import RLProxyError
-from rlproxy.proxy.settings import Settings
+from rlproxy.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -51,90 +50,10 @@ def make_settings(**options: Any) -> Settings:
         raise typer.BadParameter(str(exc)) from None
 
 
-def make_backend(settings: Settings):
-    """The inference backend the settings name (not started).
-
-    `--upstream URL` always means "attach": any server speaking vLLM's API (vLLM itself, or
-    `rlproxy engine`) is driven through VLLMBackend. Without it, `vllm` launches a vLLM server and
-    `embedded` runs the in-process engine.
-
-    The proxy->engine hop carries a key: a random per-process secret for an engine we start (it
-    never leaves this process and the one we launch), `upstream_api_key` for one we attach to.
-    """
-    import secrets
-
-    cache_dir = Path(settings.cache_dir).expanduser()
-    if settings.backend == "vllm" or settings.upstream:
-        from rlproxy.inference.vllm import VLLMBackend
-
-        return VLLMBackend(
-            settings.model,
-            cache_dir=cache_dir,
-            upstream=settings.upstream,
-            python=settings.vllm_python,
-            port=settings.engine_port,
-            max_lora_rank=settings.max_lora_rank,
-            extra_args=settings.vllm_args,
-            startup_timeout=settings.vllm_startup_timeout,
-            api_key=settings.upstream_api_key if settings.upstream else secrets.token_urlsafe(32),
-        )
-    from rlproxy.inference.embedded import EmbeddedBackend
-
-    return EmbeddedBackend(
-        settings.model,
-        cache_dir=cache_dir,
-        port=settings.engine_port,
-        threads=settings.engine_threads,
-        max_batch=settings.engine_max_batch,
-        api_key=secrets.token_urlsafe(32),
-    )
-
-
-def trainer_config(settings: Settings):
-    """The TrainerConfig part of the settings (what is saved with every step)."""
-    from rlproxy.trainer.config import TrainerConfig
-
-    return TrainerConfig(**settings.model_dump(include=set(TrainerConfig.model_fields)))
-
-
-def build_app(settings: Settings, backend=None):
-    """Backend + (optionally) the trainer + the proxy app, wired together."""
-    from rlproxy.proxy.app import create_app
-
-    backend = backend if backend is not None else make_backend(settings)
-    services = []
-    holder: dict[str, Any] = {}
-    if settings.train:
-        from rlproxy.storage.db import normalize_url
-        from rlproxy.trainer.service import TrainerService
-
-        async def on_publish(policy: str, step: int) -> None:
-            await holder["app"].state.policies.set_step(policy, step)
-
-        def on_train_state(training: bool) -> None:
-            holder["app"].state.proxy.gate.set_training(training)
-
-        services.append(
-            TrainerService(
-                trainer_config(settings),
-                normalize_url(settings.db_url),
-                backend,
-                on_publish=on_publish,
-                on_train_state=on_train_state,
-            )
-        )
-    app_ = create_app(settings, backend, services)
-    holder["app"] = app_
-    return app_
-
-
 def _run(coro) -> None:
-    """Run `coro` on uvloop when it is installed (it roughly halves the proxy's per-request cost)."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-        return
+    """Run `coro` on uvloop (it roughly halves the proxy's per-request cost)."""
+    import uvloop
+
     uvloop.run(coro)
 
 
@@ -201,6 +120,7 @@ def serve(
 async def _serve(settings: Settings, access_log: bool, log_level: str) -> None:
     import uvicorn
 
+    from rlproxy.compose import build_app
     from rlproxy.proxy import server as http_server
 
     _raise_open_files(settings.max_connections + 256)  # each connection is a file descriptor
@@ -240,17 +160,15 @@ def engine(
     ] = None,
 ) -> None:
     """Serve the embedded engine alone (an OpenAI-compatible server with vLLM's adapter routes)."""
-    try:
-        from rlproxy.inference.embedded import run_engine
-    except ImportError:  # where the interface note first placed it
-        from rlproxy.inference.server import run_engine
+    from rlproxy.inference.embedded import run_engine
+    from rlproxy.proxy import server as http_server
 
-    settings = make_settings(model=model, engine_threads=threads, api_key=api_key)
+    settings = make_settings(model=model, engine_threads=threads, api_key=api_key, host=host, port=port)
     _logging("info")
     run_engine(
         settings.model,
-        host=host,
-        port=port,
+        # served like `serve`: uvicorn on httptools with the connection limits of the settings
+        lambda engine_app: http_server.config(engine_app, settings, access_log=False),
         threads=settings.engine_threads,
         cache_dir=Path(settings.cache_dir).expanduser(),
         api_key=settings.api_key,
@@ -280,6 +198,7 @@ def train(
 
 
 async def _train(settings: Settings) -> None:
+    from rlproxy.compose import trainer_config
     from rlproxy.inference.vllm import VLLMBackend
     from rlproxy.storage import db
     from rlproxy.trainer.service import TrainerService
@@ -410,7 +329,7 @@ def demo(
     fast: Annotated[bool, typer.Option(help="tiny random model, a few steps (what CI runs)")] = False,
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
-    from rlproxy.proxy.demo import run_demo
+    from rlproxy.demo.run import run_demo
 
     _logging("warning")
     summary = run_demo(minutes=minutes, model=model, out_dir=out_dir, fast=fast, echo=typer.echo)

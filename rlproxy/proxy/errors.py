@@ -2,10 +2,11 @@
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
-Caller mistakes are `APIError`s (they carry their status). Domain errors from `rlproxy.errors` are
-mapped here once: backend unreachable 502, backend timeout 504, unknown run 404, conflicting reward
-409, anything else of ours 500. FastAPI's own validation and routing errors are re-rendered in the
-same shape so a client's OpenAI SDK can always parse what it gets.
+Caller mistakes are `APIError`s (they carry their status). Domain errors (`rlproxy.errors` and
+`storage/errors.py`) carry theirs as class attributes (`status`, `type`, `code`, and `retry_after`
+on a retryable one): backend unreachable 502, backend timeout 504, unknown run 404, conflicting
+reward 409, store busy 503, anything else of ours 500. FastAPI's own validation and routing
+errors are re-rendered in the same shape so a client's OpenAI SDK can always parse what it gets.
 
 A 500 tells the client nothing about the failure (no exception text, no traceback, no SQL): it
 gets a generic message with an error id, and the log gets the id with the whole traceback. A
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from rlproxy.errors import APIError, BackendTimeout, BackendUnavailable, RLProxyError
+from rlproxy.errors import APIError, RLProxyError
 from rlproxy.proxy.validate import ClientGone
 
 logger = logging.getLogger(__name__)
@@ -49,39 +50,13 @@ def error_response(
     return Response(error_body(status, message, type, code, param), status_code=status, media_type=_JSON)
 
 
-def status_of(exc: BaseException) -> int:
-    """HTTP status for an exception of our tree (or an APIError)."""
-    if isinstance(exc, APIError):
-        return exc.status
-    if isinstance(exc, BackendUnavailable):
-        return 502
-    if isinstance(exc, BackendTimeout):
-        return 504
-    name = type(exc).__name__
-    if name == "RunNotFound":  # storage's error; matched by name to keep this module import-light
-        return 404
-    if name == "RewardConflict":
-        return 409
-    if name == "StoreUnavailable":  # retryable: the store is behind or a run's stream still runs
-        return 503
-    return 500
-
-
-def render(exc: BaseException) -> Response:
-    """The response for any exception we raise on purpose."""
+def render(exc: APIError | RLProxyError) -> Response:
+    """The response for any exception we raise on purpose: its class says status, type and code."""
     if isinstance(exc, APIError):
         return Response(orjson.dumps(exc.body()), status_code=exc.status, media_type=_JSON)
-    status = status_of(exc)
-    if status == 500:
+    if exc.status == 500:
         return internal_error(exc, "a request")
-    code = {
-        502: "upstream_unavailable",
-        503: "store_unavailable",
-        504: "upstream_timeout",
-        404: "not_found",
-        409: "conflict",
-    }.get(status)
-    response = error_response(status, str(exc) or type(exc).__name__, code=code)
+    response = error_response(exc.status, str(exc) or type(exc).__name__, type=exc.type, code=exc.code)
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
         response.headers["retry-after"] = str(max(1, math.ceil(retry_after)))
@@ -104,7 +79,8 @@ def install(app: FastAPI) -> None:
         return render(exc)
 
     async def on_domain_error(request: Request, exc: Exception) -> Response:
-        if status_of(exc) > 500:
+        assert isinstance(exc, RLProxyError)
+        if exc.status > 500:
             logger.warning("%s %s failed: %s", request.method, request.url.path, exc)
         return render(exc)
 

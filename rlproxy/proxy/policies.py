@@ -18,6 +18,7 @@ import asyncio
 import logging
 
 from rlproxy.errors import APIError, RLProxyError
+from rlproxy.inference.backend import adapter_name, parse_adapter_name
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class Policies:
 
     def upstream_model(self, policy: str, step: int) -> str:
         """The model name the upstream serves for `policy` at `step`."""
-        return f"{policy}@{step}" if step > 0 else self.base_model
+        return adapter_name(policy, step) if step > 0 else self.base_model
 
     def resolve(self, model: object) -> tuple[str, int, str]:
         """(policy, step, upstream model) for a request's `model`; APIError 404 if it names nothing."""
@@ -77,9 +78,9 @@ class Policies:
             elif self.known(model):
                 policy = model
             else:
-                name, at, num = model.rpartition("@")
-                if at and num.isdigit() and self.known(name):
-                    step = int(num)
+                pinned = parse_adapter_name(model)
+                if pinned is not None and self.known(pinned[0]):
+                    name, step = pinned
                     return name, step, self.upstream_model(name, step)
                 policy = self.model_map.get("*")  # type: ignore[assignment]
                 if policy is None:
@@ -115,7 +116,7 @@ class Policies:
         latest = await queries.latest_adapters(engine)
         for policy, (step, path) in latest.items():
             try:
-                await backend.load_adapter(f"{policy}@{step}", path)
+                await backend.load_adapter(adapter_name(policy, step), path)
             except (RLProxyError, OSError) as exc:
                 logger.warning("could not re-load adapter %s@%d from %s: %s", policy, step, path, exc)
                 continue

@@ -6,9 +6,10 @@ raw bytes and checked by hand (no pydantic model), rewritten for the upstream (m
 `{policy}@{step}`, capture fields injected), forwarded over `forward.Upstream`, and answered with what
 the upstream said minus the injected fields, plus `X-Policy-Step`. A non-streaming completion is
 submitted to the writer just before its response is sent (`submit` journals and enqueues); a
-stream's just before its last chunk. Every other `/v1/*` path goes through FastAPI and is relayed untouched, except the
-engine-management routes (`ENGINE_ONLY`, 403) and upstream redirects (502, never relayed). A hot
-route with a trailing slash (`/v1/chat/completions/`) is captured like the plain one.
+stream's just before its last chunk. Every other `/v1/*` path goes through FastAPI and is relayed
+untouched, except the engine-management routes (`ENGINE_ONLY`, 403) and upstream redirects (502,
+never relayed). A hot route with a trailing slash (`/v1/chat/completions/`) is captured like the
+plain one. The composition root (`rlproxy/compose.py`) puts `HotPath` in front of FastAPI.
 """
 
 from __future__ import annotations
@@ -24,20 +25,14 @@ from starlette.responses import Response
 from rlproxy.errors import APIError, RLProxyError
 from rlproxy.proxy import capture, errors, forward, runkey, validate
 from rlproxy.proxy.stream import StreamRelay
-from rlproxy.storage.records import CompletionRecord
+from rlproxy.storage.records import CompletionRecord, Endpoint
 
 logger = logging.getLogger(__name__)
 
-_PATHS = {"chat.completions": b"/v1/chat/completions", "completions": b"/v1/completions"}
-_ENDPOINTS = {"v1/chat/completions": "chat.completions", "v1/completions": "completions"}
-_DROP = forward.HOP_BY_HOP | {b"server", b"date", b"content-encoding"}
-
-
-def _header(scope, name: bytes) -> bytes | None:
-    for k, v in scope["headers"]:
-        if k == name:
-            return v
-    return None
+# The hot routes: the URL (without its leading slash) -> the endpoint it serves; the upstream
+# is asked on the same path.
+ROUTES = {"v1/chat/completions": Endpoint.CHAT, "v1/completions": Endpoint.COMPLETIONS}
+_UPSTREAM_PATHS = {endpoint: b"/" + route.encode() for route, endpoint in ROUTES.items()}
 
 
 class HotPath:
@@ -58,7 +53,7 @@ class HotPath:
                 run_id, _, tail = rest.partition("/")
             if tail is not None:
                 # a trailing slash names the same route: captured like it, never passed through
-                endpoint = _ENDPOINTS.get(tail) or (_ENDPOINTS.get(tail[:-1]) if tail[-1:] == "/" else None)
+                endpoint = ROUTES.get(tail) or (ROUTES.get(tail[:-1]) if tail[-1:] == "/" else None)
             if endpoint is not None:
                 try:
                     response = await complete(self.state, scope, receive, endpoint, run_id)
@@ -73,7 +68,7 @@ class HotPath:
         await self.app(scope, receive, send)
 
 
-async def complete(px, scope, receive, endpoint: str, path_run_id: str | None) -> Response:
+async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | None) -> Response:
     """Forward one completion request and capture it (see the module doc)."""
     started = time.perf_counter()
     created_at = datetime.now(UTC)
@@ -122,7 +117,7 @@ async def complete(px, scope, receive, endpoint: str, path_run_id: str | None) -
     try:
         headers = forward.request_headers(scope["headers"], px.drop_headers, identity=True)
         resp = await px.upstream.post(
-            _PATHS[endpoint], headers, orjson.dumps(upstream_body), scope["query_string"], stream
+            _UPSTREAM_PATHS[endpoint], headers, orjson.dumps(upstream_body), scope["query_string"], stream
         )
         step_header = (b"x-policy-step", str(step).encode())
         if stream:
@@ -137,7 +132,7 @@ async def complete(px, scope, receive, endpoint: str, path_run_id: str | None) -
         return _answer(px, resp, rec, inj, started, step_header)
     except RLProxyError as exc:
         rec.status = "error"
-        rec.status_code = errors.status_of(exc)
+        rec.status_code = exc.status
         rec.error = str(exc)
         rec.latency_ms = (time.perf_counter() - started) * 1000.0
         px.writer.submit(rec)
@@ -174,7 +169,7 @@ def _answer(px, resp, rec: CompletionRecord, inj: capture.Injected, started: flo
     px.metrics.observe(rec.endpoint, outcome, rec.latency_ms / 1000.0)
     response = Response(content, status_code=resp.status_code)
     response.raw_headers = [
-        *forward.response_headers(resp.headers, _DROP),
+        *forward.response_headers(resp.headers),
         (b"content-length", str(len(content)).encode()),
         step_header,
     ]
@@ -213,7 +208,7 @@ def _relay(
             if rec.run_id is not None:
                 px.inflight.leave(rec.run_id)
 
-    headers = forward.response_headers(resp.headers, _DROP)
+    headers = forward.response_headers(resp.headers)
     headers.append(step_header)
     return StreamRelay(resp, headers, assembler, inj, started, done)
 

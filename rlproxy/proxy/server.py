@@ -34,7 +34,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from rlproxy.proxy.errors import error_body
 from rlproxy.proxy.limits import RETRY_AFTER_S
-from rlproxy.proxy.settings import Settings
+from rlproxy.settings import Settings
 
 logger = logging.getLogger(__name__)
 ACCESS_LOGGER = logging.getLogger("rlproxy.access")

@@ -27,7 +27,6 @@ from starlette.responses import Response
 from rlproxy.errors import BackendError
 from rlproxy.proxy import http11
 from rlproxy.proxy.capture import Injected, StreamAssembler, strip
-from rlproxy.proxy.errors import status_of
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class StreamRelay(Response):
         except BackendError as exc:  # the upstream dropped or stalled mid-stream
             # returning without the final body makes the server close the connection: the
             # client sees a cut stream (no terminating chunk), never a clean end
-            status, code = "error", status_of(exc)
+            status, code = "error", exc.status
             self.error = f"upstream stream broke: {exc}"
             logger.warning("%s", self.error)
         except OSError:  # the server noticed the client's disconnect on write first

@@ -14,6 +14,7 @@ import json
 import orjson
 
 from rlproxy.errors import APIError
+from rlproxy.storage.records import Endpoint
 
 _INT = (int,)
 _NUM = (int, float)
@@ -89,9 +90,9 @@ def _deeper_than(value: object, max_depth: int) -> bool:
     return False
 
 
-def check(body: dict, endpoint: str) -> None:
-    """422 APIError for the first field of the wrong type (`endpoint`: chat.completions|completions)."""
-    rules = _CHAT if endpoint == "chat.completions" else _COMPLETIONS
+def check(body: dict, endpoint: Endpoint) -> None:
+    """422 APIError for the first field of the wrong type (`endpoint`: which route)."""
+    rules = _CHAT if endpoint == Endpoint.CHAT else _COMPLETIONS
     for field, (types, want) in rules.items():
         value = body.get(field)
         if value is None:
@@ -101,7 +102,7 @@ def check(body: dict, endpoint: str) -> None:
     n = body.get("n")
     if n is not None and n < 1:
         raise APIError(422, "n: must be at least 1", param="n", code="invalid_value")
-    if endpoint == "chat.completions":
+    if endpoint == Endpoint.CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _wrong("messages", "a non-empty list of message objects")

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
+
+
+class Endpoint(StrEnum):
+    """The OpenAI route a completion came through (the `completions.endpoint` column's values)."""
+
+    CHAT = "chat.completions"  # POST /v1/chat/completions
+    COMPLETIONS = "completions"  # POST /v1/completions
 
 
 @dataclass
@@ -21,7 +29,7 @@ class CompletionRecord:
     policy: str | None = None  # policy the request named
     adapter: str | None = None  # model the upstream served: base name or policy@step
     policy_step: int | None = None  # 0 = base model
-    endpoint: str | None = None  # "chat.completions" or "completions"
+    endpoint: Endpoint | None = None
     stream: bool | None = None
     request: dict[str, Any] | None = None  # the client's request body
     response: dict[str, Any] | None = None  # what the client got (a stream assembled)

@@ -23,6 +23,10 @@ response's last byte is sent; `recover()` stores the journal's records on the ne
 each (`completions.capture_id` is unique). An OS crash or power cut can lose what the kernel had
 not yet written to disk: the journal's last seconds, and with SQLite's synchronous=NORMAL the last
 commits. A reward is acknowledged (HTTP 200) only after it and its run's completions are committed.
+
+The SQL of a transaction (new runs, completions and their `seq`, rewards) is in `rows.py`. This
+file stays over 400 lines because the queue, its bounds, the retry-and-split and the journal
+bookkeeping all act on the same queue and counters: apart, they would share private state.
 """
 
 from __future__ import annotations
@@ -36,20 +40,18 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import exc, func, insert, select, update
+from sqlalchemy import exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from rlproxy.errors import StorageError
 from rlproxy.storage.db import connect_write
-from rlproxy.storage.errors import RewardConflict, RunNotFound, StoreUnavailable
+from rlproxy.storage.errors import StoreUnavailable
 from rlproxy.storage.journal import Journal, Segment, encode
-from rlproxy.storage.models import Completion, Run, RunStatus
-from rlproxy.storage.records import COMPLETION_FIELDS, CompletionRecord
+from rlproxy.storage.records import CompletionRecord
+from rlproxy.storage.rows import apply_reward, ensure_runs, insert_completions, stored_capture_ids
 
 log = logging.getLogger(__name__)
 
-RUNS = Run.__table__
-COMPLETIONS = Completion.__table__
 # Attempts at a batch before a non-transient failure makes us split it into single records.
 SPLIT_AFTER = 3
 MAX_BACKOFF_S = 2.0
@@ -438,98 +440,24 @@ class Writer:
         async with conn.begin():
             replayed = [it.rec.capture_id for it in items if it.replayed and it.rec.capture_id]
             if replayed:  # a journal record that was committed before the crash is stored once
-                have = set(
-                    (
-                        await conn.execute(
-                            select(COMPLETIONS.c.capture_id).where(COMPLETIONS.c.capture_id.in_(replayed))
-                        )
-                    ).scalars()
-                )
+                have = await stored_capture_ids(conn, replayed)
                 items = [it for it in items if not (it.replayed and it.rec.capture_id in have)]
             records = [it.rec for it in items]
-            await self._ensure_runs(conn, records, next_seq)
+            await ensure_runs(conn, records, next_seq)
             now = datetime.now(UTC)
-            rows = []
-            for rec in records:
-                row = {f: getattr(rec, f) for f in COMPLETION_FIELDS}
-                row["created_at"] = rec.created_at or now
-                if rec.run_id is not None:
-                    row["seq"] = next_seq[rec.run_id]
-                    next_seq[rec.run_id] += 1
-                else:
-                    row["seq"] = None
-                rows.append(row)
-            if rows:
-                await conn.execute(insert(COMPLETIONS), rows)
+            written = await insert_completions(conn, records, next_seq, now)
             for op in batch:
                 if isinstance(op, _Reward) and not op.future.done():  # done: withdrawn (timed out)
-                    outcomes.append(await self._apply_reward(conn, op, now))
+                    outcomes.append(
+                        await apply_reward(conn, op.run_id, op.reward, op.metrics, op.metadata, now)
+                    )
                 else:
                     outcomes.append(None)
         self._next_seq = next_seq
-        self.rows_written += len(rows)
+        self.rows_written += written
         self.replayed += sum(1 for it in items if it.replayed)
         self.rewards_written += sum(1 for o in outcomes if o is True)
         return outcomes
-
-    async def _ensure_runs(
-        self, conn: AsyncConnection, records: list[CompletionRecord], next_seq: dict[str, int]
-    ) -> None:
-        """Read next seq of runs not seen yet, and create the rows of runs that are new."""
-        first: dict[str, CompletionRecord] = {}
-        for rec in records:
-            if rec.run_id is not None and rec.run_id not in next_seq and rec.run_id not in first:
-                first[rec.run_id] = rec
-        if not first:
-            return
-        ids = list(first)
-        existing = set((await conn.execute(select(RUNS.c.id).where(RUNS.c.id.in_(ids)))).scalars())
-        max_seq = dict(
-            (
-                await conn.execute(
-                    select(COMPLETIONS.c.run_id, func.max(COMPLETIONS.c.seq))
-                    .where(COMPLETIONS.c.run_id.in_(ids))
-                    .group_by(COMPLETIONS.c.run_id)
-                )
-            ).all()
-        )
-        new = [
-            {
-                "id": rid,
-                "group_id": rec.group_id or rec.default_group,
-                "policy": rec.policy,
-                "status": RunStatus.open.value,
-                "created_at": rec.created_at or datetime.now(UTC),
-            }
-            for rid, rec in first.items()
-            if rid not in existing
-        ]
-        if new:
-            await conn.execute(insert(RUNS), new)
-        for rid in ids:
-            m = max_seq.get(rid)
-            next_seq[rid] = 0 if m is None else int(m) + 1
-
-    async def _apply_reward(self, conn: AsyncConnection, op: _Reward, now: datetime) -> Any:
-        row = (await conn.execute(select(RUNS.c.reward, RUNS.c.status).where(RUNS.c.id == op.run_id))).first()
-        if row is None:
-            return RunNotFound(op.run_id)
-        if row.reward is not None:
-            if float(row.reward) == op.reward:
-                return False
-            return RewardConflict(op.run_id, row.reward, op.reward)
-        # A late reward revives an expired run; a run the trainer already judged keeps its status.
-        status = (
-            RunStatus.completed.value if row.status in (RunStatus.open, RunStatus.expired) else row.status
-        )
-        await conn.execute(
-            update(RUNS)
-            .where(RUNS.c.id == op.run_id)
-            .values(
-                reward=op.reward, metrics=op.metrics, metadata=op.metadata, completed_at=now, status=status
-            )
-        )
-        return True
 
 
 def _is_transient(e: BaseException) -> bool:

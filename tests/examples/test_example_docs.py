@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlproxy.proxy.settings import Settings
+from rlproxy.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "examples" / "2048" / "README.md").read_text()

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def proxy_url(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
     import uvicorn
 
-    from rlproxy.proxy.cli import build_app
-    from rlproxy.proxy.settings import Settings
+    from rlproxy.compose import build_app
+    from rlproxy.settings import Settings
 
     tmp = tmp_path_factory.mktemp("play2048")
     settings = Settings(

@@ -40,9 +40,9 @@ def make_proxy(loop_thread: LoopThread, tmp_path: Path) -> Iterator[Any]:
     The backend attaches to `upstream_url` (VLLMBackend in attach mode), so the session's engine or a
     stub is shared and never stopped by a test's proxy.
     """
+    from rlproxy.compose import build_app
     from rlproxy.inference.vllm import VLLMBackend
-    from rlproxy.proxy.app import create_app
-    from rlproxy.proxy.settings import Settings
+    from rlproxy.settings import Settings
 
     started: list[ProxyServer] = []
 
@@ -51,7 +51,7 @@ def make_proxy(loop_thread: LoopThread, tmp_path: Path) -> Iterator[Any]:
         fields = {"db_url": f"sqlite+aiosqlite:///{db_path}", "train": False, "model": model, **overrides}
         settings = Settings(**fields)
         backend = backend or VLLMBackend(model, upstream=upstream)
-        server = ProxyServer(loop_thread, create_app(settings, backend), db_path).start()
+        server = ProxyServer(loop_thread, build_app(settings, backend), db_path).start()
         started.append(server)
         return server
 

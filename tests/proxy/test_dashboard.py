@@ -116,8 +116,8 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
-    from rlproxy.proxy.cli import build_app
-    from rlproxy.proxy.settings import Settings
+    from rlproxy.compose import build_app
+    from rlproxy.settings import Settings
 
     tmp = tmp_path_factory.mktemp("dashboard")
     db_url = f"sqlite+aiosqlite:///{tmp / 'rlproxy.db'}"

@@ -267,7 +267,7 @@ def test_requests_over_the_in_flight_cap_get_503_with_retry_after(serve):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 5
-    while proxy.app.middleware_stack.in_flight < 2 and time.monotonic() < deadline:  # limits.Limits
+    while proxy.app.in_flight < 2 and time.monotonic() < deadline:  # limits.Limits
         time.sleep(0.02)
     r = httpx.post(f"{proxy.url}/v1/chat/completions", json=CHAT)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"

@@ -58,7 +58,7 @@ def test_set_step_routes_to_the_adapter(make_proxy, engine_backend, tiny_model_d
     before = _chat(proxy, "gpt-4o-mini")
     assert before.headers["x-policy-step"] == "0" and before.parse().model == "tiny"
     loop_thread.run(engine_backend.load_adapter("tiny@1", str(lora_dir)))
-    loop_thread.run(proxy.app.state.policies.set_step("tiny", 1))
+    loop_thread.run(proxy.state.policies.set_step("tiny", 1))
     after = _chat(proxy, "gpt-4o-mini", **{"X-Run-Id": "p1"})
     assert after.headers["x-policy-step"] == "1" and after.parse().model == "tiny@1"
     pinned = _chat(proxy, "tiny@0")
@@ -81,7 +81,7 @@ def test_steps_published_by_another_process_and_restart(make_proxy, engine_backe
     con.close()
     proxy.lt.run(engine_backend.load_adapter("tiny@2", str(lora_dir)))
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and proxy.app.state.policies.step("tiny") != 2:
+    while time.monotonic() < deadline and proxy.state.policies.step("tiny") != 2:
         time.sleep(0.1)
     assert _chat(proxy, "tiny").headers["x-policy-step"] == "2"
     # a restarted proxy on the same database re-loads the newest adapter and serves it at once
@@ -89,15 +89,15 @@ def test_steps_published_by_another_process_and_restart(make_proxy, engine_backe
     proxy.stop()
     from proxy_helpers import ProxyServer
 
+    from rlproxy.compose import build_app
     from rlproxy.inference.vllm import VLLMBackend
-    from rlproxy.proxy.app import create_app
-    from rlproxy.proxy.settings import Settings
+    from rlproxy.settings import Settings
 
     settings = Settings(db_url=f"sqlite+aiosqlite:///{proxy.db_path}", train=False, model=str(tiny_model_dir))
     backend = VLLMBackend(str(tiny_model_dir), upstream=engine_backend.base_url)
-    again = ProxyServer(proxy.lt, create_app(settings, backend), proxy.db_path).start()
+    again = ProxyServer(proxy.lt, build_app(settings, backend), proxy.db_path).start()
     try:
-        assert again.app.state.policies.step("tiny") == 2
+        assert again.state.policies.step("tiny") == 2
         resp = _chat(again, "tiny")
         assert resp.headers["x-policy-step"] == "2" and resp.parse().model == "tiny@2"
     finally:

@@ -118,9 +118,9 @@ def test_build_app_wires_the_trainer(loop_thread, stub, tmp_path):
     """build_app: the trainer's on_publish flips the policy step, on_train_state drives the hold gate."""
     from proxy_helpers import ProxyServer
 
+    from rlproxy.compose import build_app
     from rlproxy.inference.vllm import VLLMBackend
-    from rlproxy.proxy.cli import build_app
-    from rlproxy.proxy.settings import Settings
+    from rlproxy.settings import Settings
     from rlproxy.trainer.service import TrainerService
 
     db = tmp_path / "wired.db"

@@ -56,7 +56,7 @@ def test_engine_routes_are_never_forwarded(make_proxy, engine_backend, tiny_mode
     open_proxy = make_proxy(engine_backend.base_url, model=str(tiny_model_dir))
     keyed = make_proxy(engine_backend.base_url, model=str(tiny_model_dir), api_key=AGENT, admin_key=ADMIN)
     open_proxy.lt.run(engine_backend.load_adapter("tiny@1", str(lora_dir)))
-    open_proxy.lt.run(open_proxy.app.state.policies.set_step("tiny", 1))  # what the trainer's publish does
+    open_proxy.lt.run(open_proxy.state.policies.set_step("tiny", 1))  # what the trainer's publish does
     try:
         attempts = [
             (open_proxy, "/v1/unload_lora_adapter", {}),
@@ -193,7 +193,7 @@ def test_engine_requires_its_secret(keyed_engine, make_proxy, engine_backend, ti
 def test_composition_root_makes_a_secret_per_process():
     """Case 2: `make_backend` gives every engine it starts a fresh random key; attach uses the setting."""
     from rlproxy.proxy.cli import make_backend
-    from rlproxy.proxy.settings import Settings
+    from rlproxy.settings import Settings
 
     one, two = make_backend(Settings(model="tiny")), make_backend(Settings(model="tiny"))
     assert one.api_key and two.api_key and one.api_key != two.api_key and len(one.api_key) >= 32

@@ -17,9 +17,9 @@ import uvicorn
 from openai import AsyncOpenAI
 from support import free_port
 
+from rlproxy.compose import build_app
 from rlproxy.inference.embedded import EmbeddedBackend
-from rlproxy.proxy.cli import build_app
-from rlproxy.proxy.settings import Settings
+from rlproxy.settings import Settings
 
 
 def rows(db: Path, sql: str) -> list[tuple]:

@@ -24,8 +24,8 @@ from openai import AsyncOpenAI
 from support import free_port
 from test_e2e_proxy import rows  # same folder: pytest puts it on sys.path
 
-from rlproxy.proxy.cli import build_app
-from rlproxy.proxy.settings import Settings
+from rlproxy.compose import build_app
+from rlproxy.settings import Settings
 
 pytestmark = pytest.mark.vllm
 

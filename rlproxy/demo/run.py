@@ -3,12 +3,14 @@
 What it does, in order:
   1. starts `rlproxy serve` as a subprocess (exactly what a user runs): the embedded engine with
      SmolLM2-135M-Instruct, SQLite in `out_dir`, the trainer on; its peak memory is sampled;
-  2. runs the agent `examples/number_game/agent.py` (a plain OpenAI-SDK program) against it, one
-     group of episodes at a time; the episodes of a group run concurrently;
+  2. runs the number-game agent (`demo/number_game.py`, a plain OpenAI-SDK program; also
+     `examples/number_game/agent.py`) against it, one group of episodes at a time; the episodes of
+     a group run concurrently;
   3. after each group waits until the trainer has trained on it (or skipped it: all rewards equal)
      and the new adapter serves, so every group is sampled from the newest policy;
   4. stops after `minutes` or once the goal has held for `patience` steps, stops the server, and
-     writes a table, a reward-curve PNG, the SQL to read the trajectories and `summary.json`.
+     writes a table, a reward-curve PNG (with the `plot` extra: matplotlib), the SQL to read the
+     trajectories and `summary.json`.
 
 A demo step is one group: sample it with the current policy, then one trainer step on it. The
 reward of a step is the mean reward of its group, i.e. what the agent experienced.
@@ -16,7 +18,6 @@ reward of a step is the mean reward of its group, i.e. what the agent experience
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -30,14 +31,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 
+from rlproxy.demo import number_game
+from rlproxy.demo.plot import plot_rewards
+
 log = logging.getLogger(__name__)
 
-AGENT = Path("examples") / "number_game" / "agent.py"
 FINAL_STATUSES = frozenset({"trained", "skipped", "failed", "expired"})
 _READY = re.compile(r"OPENAI_BASE_URL=(http://[\w.:\[\]-]+)/v1")
 
@@ -60,25 +62,6 @@ class Plan:
 def _echo(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
-
-
-def find_agent() -> Path:
-    """The example agent: next to the package (a source checkout), else under the working directory."""
-    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
-        if (root / AGENT).is_file():
-            return root / AGENT
-    raise FileNotFoundError(f"{AGENT} not found: run the demo from a checkout of the rlproxy repository")
-
-
-def load_agent(path: Path) -> ModuleType:
-    """Import the agent file as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("rlproxy_demo_agent", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 class PeakRSS(threading.Thread):
@@ -241,7 +224,6 @@ def run_demo(
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a fresh policy, not a resumed one
 
-    agent = load_agent(find_agent())
     threads = threads or max(1, min(os.cpu_count() or 1, 4))
     env = {
         "RLPROXY_LEARNING_RATE": str(learning_rate),
@@ -259,11 +241,11 @@ def run_demo(
     rss = PeakRSS(proc.pid)
     rss.start()
     startup_s = time.monotonic() - started
-    echo(f"serving at {base}/v1 after {startup_s:.1f}s; agent: {find_agent()}")
+    echo(f"serving at {base}/v1 after {startup_s:.1f}s; agent: {number_game.__name__}")
 
     rows: list[dict[str, Any]] = []
     try:
-        stop_reason = _loop(base, agent, plan, rows, started, echo)
+        stop_reason = _loop(base, plan, rows, started, echo)
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         echo("interrupted: stopping the server and writing what there is")
@@ -275,7 +257,6 @@ def run_demo(
 
 def _loop(
     base: str,
-    agent: ModuleType,
     plan: Plan,
     rows: list[dict[str, Any]],
     started: float,
@@ -286,7 +267,7 @@ def _loop(
 
     client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
     with httpx.Client(base_url=base, timeout=30) as http:
-        policy = agent.default_model(client)
+        policy = number_game.default_model(client)
         deadline = started + plan.minutes * 60
         held = 0
         while True:
@@ -296,7 +277,7 @@ def _loop(
             if time.monotonic() + (sum(recent) / len(recent) if recent else 0.0) > deadline:
                 return "time"  # the next step would end after the deadline
             t0 = time.monotonic()
-            episodes = agent.run_group(
+            episodes = number_game.run_group(
                 client, policy, f"{base}/v1", "not-needed", plan.group_size, plan.temperature, plan.max_tokens
             )
             sampled_s = time.monotonic() - t0
@@ -341,8 +322,7 @@ def _report(
     rewards = [r["mean_reward"] for r in rows]
     first3, last3 = _mean(rewards[:3]), _mean(rewards[-3:])
     db = out / "rlproxy.db"
-    plot = out / "reward_curve.png"
-    _plot(rows, plot, plan.model)
+    plot = plot_rewards(rows, out / "reward_curve.png", plan.model, echo)
     sql = (
         "SELECT t.reward, t.messages FROM trajectories t JOIN runs r ON r.id = t.run_id "
         "ORDER BY r.created_at DESC LIMIT 10;\n"
@@ -362,7 +342,7 @@ def _report(
         "stop_reason": stop_reason,
         "peak_rss_mb": peak_rss_mb,
         "db": str(db),
-        "plot": str(plot),
+        "plot": str(plot) if plot is not None else None,
         "model": plan.model,
         "plan": asdict(plan),
         "sql": sql,
@@ -382,7 +362,9 @@ def _report(
             f"{summary['minutes']:.1f} min; {len(rows)} steps ({summary['trained_steps']} trained); "
             f"peak RSS of the server {peak_rss_mb:.0f} MB"
         )
-    echo(f"reward curve: {plot}\nsummary: {out / 'summary.json'}")
+    if plot is not None:
+        echo(f"reward curve: {plot}")
+    echo(f"summary: {out / 'summary.json'}")
     queries = sql.splitlines()
     echo(f'the latest trajectories, in SQL:\n  sqlite3 {db} "{queries[0]}"')
     echo(f'  rlproxy sql --db {db} "{queries[1]}"')
@@ -390,30 +372,3 @@ def _report(
         f'  (more in summary.json\'s "sql"; dashboard: rlproxy serve --no-train --db {db}, then open http://127.0.0.1:8000/)'
     )
     return summary
-
-
-def _plot(rows: list[dict[str, Any]], path: Path, model: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    steps = [r["step"] for r in rows]
-    rewards = [r["mean_reward"] for r in rows]
-    ax.plot(steps, rewards, marker="o", markersize=3, linewidth=1.5, label="mean reward of the step's group")
-    if len(rows) >= 3:
-        smooth = [
-            sum(rewards[max(0, i - 2) : i + 1]) / len(rewards[max(0, i - 2) : i + 1])
-            for i in range(len(rows))
-        ]
-        ax.plot(steps, smooth, linewidth=2.5, alpha=0.7, label="mean of the last 3")
-    ax.set_xlabel("demo step (one group sampled, then one trainer step)")
-    ax.set_ylabel("reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"rlproxy demo: {model} learns the number game")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("number_task", ROOT / "examples" / "number_game" / "task.py")
-task = importlib.util.module_from_spec(_spec)
-sys.modules["number_task"] = task
-_spec.loader.exec_module(task)
+from rlproxy.demo import number_game as task
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlproxy.proxy.demo import find_agent, run_demo
+from rlproxy.demo.run import run_demo
 
 
 @pytest.mark.timeout(600)
@@ -44,7 +44,3 @@ def test_fast_demo_writes_a_sane_summary(tmp_path: Path, cache_dir: Path, monkey
 
     # the server is stopped
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
-
-
-def test_agent_is_found():
-    assert find_agent().name == "agent.py"

@@ -161,11 +161,6 @@ class Settings(BaseSettings, TrainerConfig):
     )
 
 
-def sqlite_url(db: str) -> str:
-    """Accept a bare SQLite path (`./rlproxy.db`) where a URL is expected."""
-    return db if "://" in db else f"sqlite+aiosqlite:///{db}"
-
-
 def settings_markdown() -> str:
     """The README's configuration table, generated from `Settings` (a test keeps the README in sync)."""
     rows = ["| setting | environment variable | default | what it does |", "|---|---|---|---|"]

@@ -1,0 +1,175 @@
+"""The number game: the demo's task, its reward, and the agent that plays it.
+
+The task, scored by code, two turns:
+  Turn 1: "Pick a number between 1 and 10. Reply with digits only."  The model answers, say "7".
+  Turn 2 (the environment's reply): "Add one to your number and reply with only the result."  -> "8".
+
+Reward in [0, 1]: 0.3 when the first reply is digits only, plus 0.7 when the second reply is
+exactly the first number plus one. The partial credit matters: an untrained SmolLM2-135M almost
+never gets both turns right, and GRPO learns nothing from a group whose rewards are all equal, so
+the easier half of the task gives the first gradients (see LEARNING_FACTS: 0.03 -> 0.95 in minutes).
+
+The agent is written against the plain OpenAI SDK and knows three things about rlproxy, no more:
+  * `OPENAI_BASE_URL` points at the proxy (e.g. http://127.0.0.1:8000/v1);
+  * each episode's requests carry `X-Run-Id: <episode id>`, and the episodes of one group share an
+    `X-Group-Id`, so the trainer compares episodes that started from the same task;
+  * at the end of an episode it POSTs the reward to `{OPENAI_BASE_URL}/runs/{run_id}/reward`.
+
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 python -m rlproxy.demo.number_game --groups 20
+
+The episodes of a group run concurrently (threads), so the server can batch them. It lives in the
+package (not only under examples/) so that `rlproxy demo` runs from a plain `pip install rlproxy`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import httpx
+from openai import OpenAI
+
+FIRST_PROMPT = "Pick a number between 1 and 10. Reply with digits only."
+SECOND_PROMPT = "Add one to your number and reply with only the result."
+DIGITS_WEIGHT = 0.3
+CORRECT_WEIGHT = 0.7
+
+_DIGITS = re.compile(r"\d+")
+_INTEGER = re.compile(r"-?\d+")
+
+
+def _clean(text: str | None) -> str:
+    """Strip whitespace and one trailing full stop: "8." and " 8\n" both count as "8"."""
+    text = (text or "").strip()
+    return text[:-1].rstrip() if text.endswith(".") else text
+
+
+def first_number(text: str | None) -> int | None:
+    """The number the model picked: the first integer in its reply, wherever it is."""
+    match = _INTEGER.search(text or "")
+    return int(match.group()) if match else None
+
+
+def score(first_reply: str | None, second_reply: str | None) -> tuple[float, dict[str, float]]:
+    """(reward, metrics) for one episode; metrics say which half was earned."""
+    digits_only = _DIGITS.fullmatch(_clean(first_reply)) is not None
+    picked = first_number(first_reply)
+    answer = _clean(second_reply)
+    correct = picked is not None and _DIGITS.fullmatch(answer) is not None and int(answer) == picked + 1
+    reward = DIGITS_WEIGHT * digits_only + CORRECT_WEIGHT * correct
+    return round(reward, 6), {"digits_only": float(digits_only), "correct": float(correct)}
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Episode:
+    run_id: str
+    group_id: str
+    reward: float
+    replies: list[str]
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def post_reward(base_url: str, api_key: str, run_id: str, reward: float, metrics: dict[str, float]) -> None:
+    """Report the episode's outcome; the proxy stores it on the run and the trainer picks it up."""
+    response = httpx.post(
+        f"{base_url.rstrip('/')}/runs/{run_id}/reward",
+        json={"reward": reward, "metrics": metrics},
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=60.0,
+    )
+    response.raise_for_status()
+
+
+def play_episode(
+    client: OpenAI, model: str, group_id: str, temperature: float = 1.0, max_tokens: int = 8
+) -> Episode:
+    """Two model calls with the environment's message in between; returns the scored episode."""
+    run_id = f"num-{uuid.uuid4().hex[:16]}"
+    headers = {"X-Run-Id": run_id, "X-Group-Id": group_id}
+    started = time.monotonic()
+    messages: list[dict[str, str]] = [{"role": "user", "content": FIRST_PROMPT}]
+    replies: list[str] = []
+    for follow_up in (SECOND_PROMPT, None):
+        completion = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            extra_headers=headers,
+        )
+        reply = completion.choices[0].message.content or ""
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": reply})
+        if follow_up:
+            messages.append({"role": "user", "content": follow_up})
+    reward, metrics = score(replies[0], replies[1])
+    return Episode(run_id, group_id, reward, replies, metrics, round(time.monotonic() - started, 3))
+
+
+def run_group(
+    client: OpenAI,
+    model: str,
+    base_url: str,
+    api_key: str = "not-needed",
+    group_size: int = 8,
+    temperature: float = 1.0,
+    max_tokens: int = 8,
+) -> list[Episode]:
+    """Play one group of episodes at the same time and post each reward as its episode ends."""
+    group_id = f"num-{uuid.uuid4().hex[:12]}"
+
+    def one(_: int) -> Episode:
+        episode = play_episode(client, model, group_id, temperature, max_tokens)
+        post_reward(base_url, api_key, episode.run_id, episode.reward, episode.metrics)
+        return episode
+
+    with ThreadPoolExecutor(max_workers=group_size) as pool:
+        return list(pool.map(one, range(group_size)))
+
+
+def default_model(client: OpenAI) -> str:
+    """The first model the server lists: behind rlproxy, the default policy (the base model's name)."""
+    return client.models.list().data[0].id
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--groups", type=int, default=10, help="groups to play, one after the other")
+    p.add_argument("--group-size", type=int, default=8, help="episodes per group, played concurrently")
+    p.add_argument("--model", default=None, help="model (policy) name; default: the server's first model")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per reply")
+    p.add_argument("--json", action="store_true", help="print one JSON line per episode")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    base_url = os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
+    api_key = os.environ.get("OPENAI_API_KEY", "not-needed")
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=1)
+    model = args.model or default_model(client)
+    for g in range(args.groups):
+        episodes = run_group(
+            client, model, base_url, api_key, args.group_size, args.temperature, args.max_tokens
+        )
+        if args.json:
+            for e in episodes:
+                sys.stdout.write(json.dumps(asdict(e)) + "\n")
+        mean = sum(e.reward for e in episodes) / len(episodes)
+        log.info("group %d/%d: mean reward %.3f  e.g. %r", g + 1, args.groups, mean, episodes[0].replies)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
