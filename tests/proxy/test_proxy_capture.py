@@ -5,17 +5,18 @@ from __future__ import annotations
 from rlproxy.proxy import capture
 from rlproxy.proxy.runkey import default_group
 from rlproxy.proxy.stream import _empty
+from rlproxy.storage.records import Endpoint
 
 
 def test_inject_only_what_the_client_did_not_ask():
     body = {"messages": []}
-    inj = capture.inject(body, capture.CHAT)
+    inj = capture.inject(body, Endpoint.CHAT)
     assert body["return_token_ids"] is True and body["logprobs"] is True and inj.token_ids and inj.logprobs
     body = {"prompt": "x", "logprobs": 2, "return_token_ids": True}
-    inj = capture.inject(body, capture.COMPLETIONS)
+    inj = capture.inject(body, Endpoint.COMPLETIONS)
     assert not inj.any and body["logprobs"] == 2
     body = {"prompt": "x"}
-    assert capture.inject(body, capture.COMPLETIONS).logprobs and body["logprobs"] == 0
+    assert capture.inject(body, Endpoint.COMPLETIONS).logprobs and body["logprobs"] == 0
 
 
 def test_from_response_captures_then_strips_to_nulls():
@@ -32,7 +33,7 @@ def test_from_response_captures_then_strips_to_nulls():
         ],
         "usage": {"prompt_tokens": 2, "completion_tokens": 2},
     }
-    cap = capture.from_response(resp, capture.CHAT, capture.Injected(True, True))
+    cap = capture.from_response(resp, Endpoint.CHAT, capture.Injected(True, True))
     assert cap.prompt_token_ids == [1, 2] and cap.token_ids == [[5, 6]] and cap.logprobs == [[-0.1, -0.2]]
     assert cap.finish_reason == "stop" and cap.completion_tokens == 2
     assert resp["prompt_token_ids"] is None
@@ -41,7 +42,7 @@ def test_from_response_captures_then_strips_to_nulls():
 
 
 def test_stream_assembler_chat_with_tool_calls_and_two_choices():
-    a = capture.StreamAssembler(capture.CHAT, capture.Injected(True, True))
+    a = capture.StreamAssembler(Endpoint.CHAT, capture.Injected(True, True))
     chunks = [
         {
             "id": "c",
@@ -119,7 +120,7 @@ def test_stream_assembler_chat_with_tool_calls_and_two_choices():
 
 
 def test_stream_assembler_completions_keeps_client_logprobs():
-    a = capture.StreamAssembler(capture.COMPLETIONS, capture.Injected(True, False))
+    a = capture.StreamAssembler(Endpoint.COMPLETIONS, capture.Injected(True, False))
     a.feed(
         {
             "choices": [

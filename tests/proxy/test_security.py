@@ -192,7 +192,7 @@ def test_engine_requires_its_secret(keyed_engine, make_proxy, engine_backend, ti
 
 def test_composition_root_makes_a_secret_per_process():
     """Case 2: `make_backend` gives every engine it starts a fresh random key; attach uses the setting."""
-    from rlproxy.proxy.cli import make_backend
+    from rlproxy.compose import make_backend
     from rlproxy.settings import Settings
 
     one, two = make_backend(Settings(model="tiny")), make_backend(Settings(model="tiny"))

@@ -14,9 +14,12 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 from transformers import AutoTokenizer
 
-from rlproxy.proxy.capture import COMPLETIONS, Captured, StreamAssembler, from_response, inject
+from rlproxy.proxy.capture import Captured, StreamAssembler, from_response, inject
+from rlproxy.storage.records import Endpoint
 from rlproxy.storage.training import load_runs
 from rlproxy.trainer.batches import build_samples
+
+COMPLETIONS = Endpoint.COMPLETIONS
 
 PROMPTS = [[10, 11], [12, 13, 14]]
 
