@@ -30,8 +30,8 @@ from typing import Any, TypeVar
 import torch
 
 from rlproxy.errors import AdapterError
-from rlproxy.inference.backend import Backend
-from rlproxy.storage.db import create_engine, upgrade_async
+from rlproxy.inference.backend import Backend, adapter_name
+from rlproxy.storage.db import create_engine
 from rlproxy.storage.models import RunStatus
 from rlproxy.storage.training import (
     ReadyGroup,
@@ -65,11 +65,6 @@ class Learner:
     tokenizer: Any
     optimizer: torch.optim.Optimizer
     step: int  # the step these weights are (0 = fresh adapter)
-
-
-def adapter_name(policy: str, step: int) -> str:
-    """The name an adapter is served under."""
-    return f"{policy}@{step}"
 
 
 def resolved_config(config: TrainerConfig) -> dict[str, Any]:
@@ -337,7 +332,8 @@ class TrainerService:
             raise
         if self.on_publish is not None:
             await self.on_publish(policy, step)
-        ckpt.prune(self.config.checkpoint_dir, policy, self.config.keep_checkpoints)
+        # deleting old checkpoint folders is disk work: off the event loop
+        await asyncio.to_thread(ckpt.prune, self.config.checkpoint_dir, policy, self.config.keep_checkpoints)
         old = step - self.config.keep_checkpoints
         if old >= 1:
             task = asyncio.create_task(self._unload(adapter_name(policy, old), self.config.unload_grace))
@@ -422,17 +418,3 @@ class TrainerService:
             seconds,
             m.get("perf/policy_lag_mean", 0.0),
         )
-
-
-async def run_trainer(config: TrainerConfig, db_url: str, backend: Backend) -> None:
-    """The standalone `rlproxy train` process: migrate, attach to the backend, train until cancelled."""
-    await upgrade_async(db_url)
-    await backend.start()
-    service = TrainerService(config, db_url, backend)
-    try:
-        await service.start()
-        log.info("trainer ready: polling %s every %.1f s", db_url, config.poll_interval)
-        await asyncio.Event().wait()
-    finally:
-        await service.stop()
-        await backend.stop()
