@@ -50,6 +50,22 @@ def error_response(
     return Response(error_body(status, message, type, code, param), status_code=status, media_type=_JSON)
 
 
+async def send_json(send, status: int, body: bytes, headers: tuple = ()) -> None:
+    """Send a whole JSON response on raw ASGI `send` (the pure-ASGI layers' answers)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
 def render(exc: APIError | RLProxyError) -> Response:
     """The response for any exception we raise on purpose: its class says status, type and code."""
     if isinstance(exc, APIError):

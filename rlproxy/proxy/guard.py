@@ -27,7 +27,7 @@ import logging
 from starlette.middleware.cors import CORSMiddleware
 
 from rlproxy.proxy.auth import Principals, Refusal
-from rlproxy.proxy.errors import error_body
+from rlproxy.proxy.errors import error_body, send_json
 
 logger = logging.getLogger(__name__)
 
@@ -191,16 +191,4 @@ def _is_json(ctype: bytes | None) -> bool:
 
 
 async def _refuse(send, status: int, message: str, code: str, headers: tuple = ()) -> None:
-    body = error_body(status, message, code=code)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, status, error_body(status, message, code=code), headers)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from rlproxy.errors import APIError
-from rlproxy.proxy.errors import error_body
+from rlproxy.proxy.errors import error_body, send_json
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +30,6 @@ def too_large(limit: int, declared: int | None = None) -> APIError:
     """The 413 for a body over `limit` bytes (`declared`: its Content-Length, when it had one)."""
     size = f"of {declared} bytes " if declared is not None else ""
     return APIError(413, f"request body {size}exceeds the limit of {limit} bytes", code="body_too_large")
-
-
-async def respond(send, status: int, body: bytes, headers: tuple = ()) -> None:
-    """Send a whole JSON response on raw ASGI `send`."""
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 class Limits:
@@ -75,14 +59,14 @@ class Limits:
                 f"The server is handling {self.max_in_flight} requests; retry in {RETRY_AFTER_S} s.",
                 code="overloaded",
             )
-            await respond(send, 503, body, ((b"retry-after", str(RETRY_AFTER_S).encode()),))
+            await send_json(send, 503, body, ((b"retry-after", str(RETRY_AFTER_S).encode()),))
             return
         limit = self.limit(scope["path"])
         for k, v in scope["headers"]:
             if k == b"content-length":
                 declared = int(v) if v.isdigit() and len(v) < 19 else limit + 1  # the parser checked it
                 if declared > limit:
-                    await respond(send, 413, _body_of(too_large(limit, declared)))
+                    await send_json(send, 413, _body_of(too_large(limit, declared)))
                     return
                 # the parser delivers no more than Content-Length bytes: nothing left to count
                 await self._call(scope, receive, send)

@@ -1,5 +1,9 @@
 """The single writer: every captured completion and every reward reaches SQL through here.
 
+(Over 400 lines on purpose: the queue, its backpressure and the retry/split loop share one piece of
+state, the pending operations, and splitting them would spread one invariant over several files;
+the SQL of the rows themselves lives in `rows.py`.)
+
 Why one writer: SQLite allows one writing transaction at a time, and `seq` (0,1,2,... per run)
 must be gapless. A FIFO queue feeding one connection gives both without locks: the writer task
 takes what has queued up (for `flush_interval` seconds or `max_batch` operations), writes it in one

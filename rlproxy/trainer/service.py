@@ -1,5 +1,8 @@
 """TrainerService: the background loop that turns ready groups into published adapters.
 
+(Over 400 lines on purpose: select → train → save → load → commit → publish, plus crash recovery,
+is one ordering contract, and keeping it in one file lets a reader check it top to bottom.)
+
     poll ──> select ready groups (skip zero-variance ones) ──> load their completions
          ──> [trainer thread] train_step ──> save checkpoint ──> backend.load_adapter("{policy}@{N}")
          ──> commit (runs trained + training_steps row, one transaction) ──> on_publish(policy, N)
