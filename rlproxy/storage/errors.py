@@ -41,3 +41,10 @@ class StoreUnavailable(StorageError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class StepConflict(StorageError):
+    """A step could not be committed: one of its runs is no longer `completed`, or the step exists.
+
+    The trainer's own outcome (never an HTTP answer): it discards the step's weights.
+    """

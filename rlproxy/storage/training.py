@@ -21,15 +21,11 @@ from typing import Any
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rlproxy.errors import StorageError
 from rlproxy.storage.db import connect_write
+from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.models import Completion, Run, RunStatus, TrainingStep
 
 log = logging.getLogger(__name__)
-
-
-class StepConflict(StorageError):
-    """A step could not be committed: one of its runs is no longer `completed`, or the step exists."""
 
 
 @dataclass

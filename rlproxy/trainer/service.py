@@ -35,11 +35,11 @@ import torch
 from rlproxy.errors import AdapterError
 from rlproxy.inference.backend import Backend, adapter_name
 from rlproxy.storage.db import create_engine
+from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.models import RunStatus
 from rlproxy.storage.training import (
     ReadyGroup,
     RunData,
-    StepConflict,
     commit_step,
     latest_step,
     load_runs,

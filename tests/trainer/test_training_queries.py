@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.training import (
-    StepConflict,
     commit_step,
     latest_step,
     load_runs,
