@@ -6,6 +6,7 @@
     ├── BackendError                  the inference backend misbehaved
     │   ├── BackendUnavailable        it cannot be reached or did not become healthy (HTTP 502)
     │   ├── BackendTimeout            it did not answer in time (HTTP 504)
+    │   ├── BackendRedirect           it answered a pass-through path with a redirect (HTTP 502)
     │   └── AdapterError              loading/unloading a LoRA adapter failed (the backend's status)
     ├── StorageError                  the SQL store failed (storage/errors.py: 404, 409, 503)
     └── TrainerError                  a training step or checkpoint could not be completed
@@ -54,6 +55,13 @@ class BackendTimeout(BackendError):
 
     status = 504
     code = "upstream_timeout"
+
+
+class BackendRedirect(BackendError):
+    """The backend answered with a redirect: never relayed nor followed (it names the engine's address)."""
+
+    status = 502
+    code = "upstream_redirect"
 
 
 class AdapterError(BackendError):

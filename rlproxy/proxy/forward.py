@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from yarl import URL
 
-from rlproxy.errors import BackendError, BackendTimeout, BackendUnavailable
+from rlproxy.errors import BackendError, BackendRedirect, BackendTimeout, BackendUnavailable
 from rlproxy.proxy import http11
 
 HOP_BY_HOP = frozenset(
@@ -220,6 +220,12 @@ class Upstream:
             if ours is exc:
                 raise
             raise ours from exc
+        if 300 <= raw.status < 400 and "Location" in raw.headers:
+            raw.close()  # a redirect names the engine's address: never relayed, never followed
+            raise BackendRedirect(
+                f"the upstream answered {path} with a redirect ({raw.status}); redirects are not "
+                "relayed: use the route's canonical path"
+            )
         headers_out = response_headers([(k.lower(), v) for k, v in raw.raw_headers], _RELAY_DROP)
         if raw.status in _NO_BODY:
             headers_out = [(k, v) for k, v in headers_out if k != b"content-length"]

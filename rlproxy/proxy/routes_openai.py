@@ -228,21 +228,7 @@ async def _pass(request: Request, path: str) -> Response:
             code="engine_route_forbidden",
         )
     px = request.app.state.proxy
-    response = await px.upstream.relay(request, "/v1/" + path, px.drop_headers)
-    if 300 <= response.status_code < 400 and any(k == b"location" for k, _ in response.raw_headers):
-        # never hand a client the engine's address, nor follow it: the canonical path is the client's
-        async for _ in response.body_iterator:  # drained (a short body), so the connection goes back
-            pass
-        if response.background is not None:
-            await response.background()
-        raise APIError(
-            502,
-            f"the upstream answered /v1/{path} with a redirect ({response.status_code}); redirects are "
-            "not relayed: use the route's canonical path",
-            type="server_error",
-            code="upstream_redirect",
-        )
-    return response
+    return await px.upstream.relay(request, "/v1/" + path, px.drop_headers)
 
 
 passthrough = APIRouter()
