@@ -2,6 +2,11 @@
 log file, the wait for its `/health`, and a stop that leaves nothing behind (SIGTERM to the whole
 group, SIGKILL after STOP_GRACE_S; at interpreter exit, SIGKILL to every group still running).
 
+Even a `serve` killed with SIGKILL leaves no vLLM behind: each launch comes with a reaper, a tiny
+python process (no imports of ours) that blocks reading a pipe whose only write end `serve` holds.
+When `serve` dies, however it dies, the kernel closes that end, the read returns EOF and the reaper
+SIGKILLs vLLM's process group. A clean stop writes one byte first, which disarms it.
+
 `VLLMBackend` (vllm.py) decides what to launch and talks to the server; this module only runs it.
 """
 
@@ -14,6 +19,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,6 +32,14 @@ STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL; vLLM on CPU stops in 2-3 s
 LOG_TAIL_CHARS = 4000
 
 _running: dict[int, subprocess.Popen] = {}  # pgid -> server we launched, killed at interpreter exit
+
+# The reaper: argv[1] is the process group to kill when stdin reaches EOF without a byte first.
+REAPER = (
+    "import os,signal,sys\n"
+    "if not sys.stdin.buffer.read(1):\n"
+    "    try: os.killpg(int(sys.argv[1]), signal.SIGKILL)\n"
+    "    except ProcessLookupError: pass\n"
+)
 
 
 class VLLMProcess:
@@ -52,6 +66,7 @@ class VLLMProcess:
                     "`make vllm-cpu` and pass python=.venv-vllm/bin/python"
                 ) from exc
         _running[self.popen.pid] = self.popen
+        self._reaper = _start_reaper(self.popen.pid)
 
     @property
     def pid(self) -> int:
@@ -92,6 +107,7 @@ class VLLMProcess:
         """SIGTERM the process group, wait up to STOP_GRACE_S (without blocking the loop), then SIGKILL."""
         proc, pgid = self.popen, self.popen.pid  # start_new_session: the leader's pid is the group id
         _running.pop(pgid, None)
+        _disarm(self._reaper)
         _signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline:
@@ -104,6 +120,36 @@ class VLLMProcess:
         while proc.poll() is None:
             await asyncio.sleep(0.05)
         logger.info("vLLM (pid %d) stopped with code %s", pgid, proc.returncode)
+
+
+def _start_reaper(pgid: int) -> subprocess.Popen | None:
+    """The process that SIGKILLs group `pgid` once this process is gone (see the module docstring)."""
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-S", "-c", REAPER, str(pgid)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # not in our group: a signal meant for `serve` does not reach it
+        )
+    except OSError as exc:  # vLLM still runs and stop() still works; only a SIGKILL of serve would leak it
+        logger.warning("no reaper for vLLM (pgid %d): %s; a SIGKILL of this process would leak it", pgid, exc)
+        return None
+
+
+def _disarm(reaper: subprocess.Popen | None) -> None:
+    """A clean stop: tell the reaper to exit without killing anything."""
+    if reaper is None or reaper.stdin is None:
+        return
+    try:
+        reaper.stdin.write(b"x")
+        reaper.stdin.close()
+    except OSError:  # it died already; nothing to disarm
+        pass
+    try:
+        reaper.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
 
 
 def free_port(host: str) -> int:
@@ -141,6 +187,6 @@ def _group_alive(pgid: int) -> bool:
 def _kill_leftovers() -> None:
     """A crashed test or Ctrl-C must not leave a 3 GB vLLM behind."""
     for pgid, proc in list(_running.items()):
-        _signal_group(pgid, signal.SIGKILL)
+        _signal_group(pgid, signal.SIGKILL)  # the reaper, on its pipe's EOF, finds the group gone
         proc.wait()
     _running.clear()
