@@ -61,9 +61,13 @@ bench: install
 	$(BIN)/python bench/engine.py --quick
 	$(BIN)/python bench/proxy.py --quick
 	$(BIN)/python bench/trainer.py --quick
+	$(BIN)/python bench/poll.py --quick
+	$(BIN)/python bench/distributed.py --quick
 
-# The trainer's CUDA path (plain transformers + peft, bf16 + fp32 LM head): checks and tokens/s.
-# Prints "skipped" and succeeds on a machine without CUDA.
+# The CUDA paths on a GPU box, nothing fetched (the tiny model is made here), a few minutes: the
+# trainer in bf16 with an fp32 LM head (checks, step time), the embedded engine with the adapter it
+# saved, and `rlproxy train --nproc 1` through torch.distributed.run on NCCL. Without CUDA the trainer
+# part says "skipped" and the rest runs on CPU (gloo); tests/test_gpu_check.py runs it that way.
 gpu-check: install
 	$(BIN)/python bench/gpu_check.py
 

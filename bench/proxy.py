@@ -12,9 +12,13 @@ through the proxy in the same run, so the printed ratios compare like with like.
        throughput via proxy / direct (goal >= 0.9).
     3. CPU seconds of the proxy process per 1,000 requests (its own figure, to track).
     4. rows stored == requests the proxy forwarded, in every case.
+    5. `POST /v1/responses` (the Responses API, which the proxy serves over the upstream's chat
+       completions): the same latency and streaming-throughput cases, through the proxy against the
+       equivalent chat request sent directly, so "added" includes the translation both ways.
 
     python bench/proxy.py            # 10 s per measurement
     python bench/proxy.py --quick    # 3 s per measurement
+    python bench/proxy.py --quick --route responses   # only the Responses API cases
 """
 
 from __future__ import annotations
@@ -48,9 +52,16 @@ if delay and delay ~= "" then wrk.headers["x-stub-delay"] = delay end
 local auth = os.getenv("BENCH_AUTH")
 if auth and auth ~= "" then wrk.headers["Authorization"] = auth end
 local stream = os.getenv("BENCH_STREAM") == "1"
-wrk.body = '{"model":"stub-model","messages":[{"role":"system","content":"You are a helpful agent."},'
-  .. '{"role":"user","content":"Find the weather in Paris and answer in one word."}],'
-  .. '"max_tokens":8,"temperature":0.7' .. (stream and ',"stream":true' or '') .. '}'
+if os.getenv("BENCH_ROUTE") == "responses" then
+  -- the same conversation as a Responses request: instructions + input (the chat body below)
+  wrk.body = '{"model":"stub-model","instructions":"You are a helpful agent.",'
+    .. '"input":"Find the weather in Paris and answer in one word.",'
+    .. '"max_output_tokens":8,"temperature":0.7' .. (stream and ',"stream":true' or '') .. '}'
+else
+  wrk.body = '{"model":"stub-model","messages":[{"role":"system","content":"You are a helpful agent."},'
+    .. '{"role":"user","content":"Find the weather in Paris and answer in one word."}],'
+    .. '"max_tokens":8,"temperature":0.7' .. (stream and ',"stream":true' or '') .. '}'
+end
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format("RESULT %d %d %d %d %.1f %.1f %.1f\n", summary.requests, summary.duration,
@@ -80,14 +91,18 @@ def wait_http(url: str, timeout: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def wrk_env(run_id: str, delay: float | None, stream: bool, auth: str = "") -> dict[str, str]:
-    """What the Lua script reads: no delay = no x-stub-delay header (the stub's own delay applies)."""
+def wrk_env(
+    run_id: str, delay: float | None, stream: bool, auth: str = "", route: str = "chat"
+) -> dict[str, str]:
+    """What the Lua script reads: no delay = no x-stub-delay header (the stub's own delay applies);
+    `route` "responses" sends the Responses form of the request."""
     return {
         **os.environ,
         "BENCH_RUN_ID": run_id,
         "BENCH_DELAY": "" if delay is None else str(delay),
         "BENCH_STREAM": "1" if stream else "0",
         "BENCH_AUTH": auth,
+        "BENCH_ROUTE": route,
     }
 
 
@@ -100,9 +115,10 @@ def wrk(
     delay: float | None,
     stream: bool,
     auth: str = "",
+    route: str = "chat",
 ) -> dict:
     """Run wrk; its Lua `done` prints: requests, duration us, non-2xx, socket errors, p50, p99, mean (us)."""
-    env = wrk_env(run_id, delay, stream, auth)
+    env = wrk_env(run_id, delay, stream, auth, route)
     threads = 1 if conns == 1 else 2
     cmd = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds:g}s", "--timeout", "10s", "-s", str(script), url]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
@@ -388,6 +404,12 @@ def main() -> int:
     ap.add_argument(
         "--compare", choices=["litellm"], help="direct vs rlproxy vs LiteLLM's proxy (needs `make litellm`)"
     )
+    ap.add_argument(
+        "--route",
+        choices=["all", "chat", "responses"],
+        default="all",
+        help="which proxy route the cases measure (the direct side is always the stub's chat route)",
+    )
     ap.add_argument("--delay-ms", type=float, default=0.0, help="--compare: the stub's delay per answer, ms")
     ap.add_argument(
         "--rounds", type=int, default=None, help="--compare: alternating rounds (1 quick, 2 full)"
@@ -416,24 +438,29 @@ def main() -> int:
     try:
         wait_http(f"{stub_url}/health")
         proxy = Proxy(stub_url, db_path)
-        direct, via = f"{stub_url}/v1/chat/completions", f"{proxy.url}/v1/chat/completions"
+        direct = f"{stub_url}/v1/chat/completions"
+        via = {"chat": f"{proxy.url}/v1/chat/completions", "responses": f"{proxy.url}/v1/responses"}
         # warm up both paths (connection pools, code paths, SQLite file)
         wrk(direct, script, 4, 1, "", 0, False)
-        wrk(via, script, 4, 1, "warmup", 0, False)
-        wrk(via, script, 4, 1, "warmup-s", 0, True)
+        for route in via:
+            wrk(via[route], script, 4, 1, "warmup", 0, False, route=route)
+            wrk(via[route], script, 4, 1, "warmup-s", 0, True, route=route)
 
-        cases = [
-            ("latency c=1 delay=0", 1, 0.0, False),
-            ("throughput c=64 delay=50ms", 64, 0.05, False),
-            ("throughput c=64 delay=50ms stream", 64, 0.05, True),
+        cases = [  # (name, concurrency, stub delay, stream, proxy route)
+            ("latency c=1 delay=0", 1, 0.0, False, "chat"),
+            ("throughput c=64 delay=50ms", 64, 0.05, False, "chat"),
+            ("throughput c=64 delay=50ms stream", 64, 0.05, True, "chat"),
+            ("responses: latency c=1 delay=0", 1, 0.0, False, "responses"),
+            ("responses: throughput c=64 delay=50ms stream", 64, 0.05, True, "responses"),
         ]
+        cases = [c for c in cases if args.route in ("all", c[4])]
         rounds = 3 if args.quick else 5
         print(
             f"# bench/proxy.py: {secs:g} s per measurement in {rounds} alternating direct/proxy rounds,"
             " wrk, stub = plain asyncio, capture on (SQLite)"
         )
         total_req, total_cpu = 0, 0.0
-        for i, (name, conns, delay, stream) in enumerate(cases):
+        for i, (name, conns, delay, stream, route) in enumerate(cases):
             # alternate direct and proxy slices so that background load hits both alike
             run_id = f"bench-{i}"
             ds, ps = [], []
@@ -441,7 +468,7 @@ def main() -> int:
             for _ in range(rounds):
                 ds.append(wrk(direct, script, conns, secs / rounds, "", delay, stream))
                 before_stub, before_cpu = stub_count(stub_url), proxy.cpu()
-                ps.append(wrk(via, script, conns, secs / rounds, run_id, delay, stream))
+                ps.append(wrk(via[route], script, conns, secs / rounds, run_id, delay, stream, route=route))
                 forwarded += stub_count(stub_url) - before_stub
                 cpu += proxy.cpu() - before_cpu
             d, p = combine(ds), combine(ps)

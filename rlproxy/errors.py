@@ -5,6 +5,7 @@
     ├── ModelError                    a model name/folder cannot be resolved, prepared or loaded
     ├── BackendError                  the inference backend misbehaved
     │   ├── BackendUnavailable        it cannot be reached or did not become healthy (HTTP 502)
+    │   │   └── BackendUnreachable    no connection opened: the request was never sent
     │   ├── BackendTimeout            it did not answer in time (HTTP 504)
     │   ├── BackendRedirect           it answered a pass-through path with a redirect (HTTP 502)
     │   └── AdapterError              loading/unloading a LoRA adapter failed (the backend's status)
@@ -48,6 +49,10 @@ class BackendUnavailable(BackendError):
 
     status = 502
     code = "upstream_unavailable"
+
+
+class BackendUnreachable(BackendUnavailable):
+    """No connection to the backend could be opened: nothing was sent (another replica may take it)."""
 
 
 class BackendTimeout(BackendError):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlproxy.trainer.config import TrainerConfig
@@ -81,7 +81,12 @@ class Settings(BaseSettings, TrainerConfig):
     model: str = Field(
         "smollm2-135m", description="built-in name (smollm2-135m, tiny) or a Hugging Face model folder"
     )
-    upstream: str | None = Field(None, description="URL of a running OpenAI-compatible server to attach to")
+    upstream: str | None = Field(
+        None,
+        description="URL of a running OpenAI-compatible server to attach to; several (`--upstream` "
+        "repeated, or a comma list) are replicas of one model: runs stick to one, adapters go to all "
+        "(see Several inference upstreams)",
+    )
     upstream_timeout: float = Field(
         600.0, gt=0, description="seconds to wait for the upstream's answer (504 after)"
     )
@@ -110,6 +115,24 @@ class Settings(BaseSettings, TrainerConfig):
     )
     upstream_max_connections: int = Field(
         256, ge=1, description="most open connections to the upstream (count); more requests wait for one"
+    )
+    # --- several upstreams (replicas) ---
+    upstream_affinity: Literal["least_loaded", "hash"] = Field(
+        "least_loaded",
+        description="how a new run picks its replica: `least_loaded` (fewest requests in flight, "
+        "remembered per run) or `hash` (rendezvous hash of the run id: the same replica from every proxy)",
+    )
+    upstream_sticky_runs: int = Field(
+        100_000, ge=1, description="runs whose replica is remembered (least_loaded; oldest forgotten first)"
+    )
+    upstream_probe_interval: float = Field(
+        2.0, gt=0, description="seconds between health probes (`GET /health`) of each replica"
+    )
+    upstream_retry_max: float = Field(
+        30.0,
+        gt=0,
+        description="longest wait, seconds, between probes of an ejected replica (doubling from "
+        "upstream_probe_interval)",
     )
     # --- store ---
     db_url: str = Field(
@@ -154,11 +177,83 @@ class Settings(BaseSettings, TrainerConfig):
     model_map: str = Field(
         "", description="comma list `name=policy` or `*=policy` for apps that hard-code a model"
     )
+    policy_poll_interval: float = Field(
+        1.0,
+        gt=0,
+        description="seconds between two looks for steps published by another process (the trainer "
+        "of another replica, `rlproxy train`): its adapter is loaded here, then served",
+    )
     # --- trainer (plus the inherited TrainerConfig fields) ---
     train: bool = Field(True, description="run the trainer inside `serve`")
     blocking_train: bool = Field(
         False, description="hold new requests while a step trains (single-GPU memory)"
     )
+    init_adapter: str | None = Field(
+        None,
+        description="LoRA folder (peft format) the default policy and the model map's policies start from "
+        "when they have no step yet: it becomes their step 1 (kind init; see Start and fork)",
+    )
+    nproc: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="`rlproxy train`: ranks on this machine, one step's groups split across them "
+        "(torch.distributed.run; NCCL on CUDA, one GPU each, else gloo); 0 = one process, no launcher",
+    )
+    # --- judge rewards (trainer/judge.py; README: Judge rewards) ---
+    judge: Literal["off", "missing", "always"] = Field(
+        "missing",
+        description="which groups an LLM judge scores: missing = groups holding a run completed without "
+        "a reward (`POST /v1/runs/{id}/complete`; every run of such a group is then judged), always = "
+        "every group (the app's numbers kept in `metrics.app_reward`), off = none (`/complete` is a 409)",
+    )
+    judge_policies: str = Field(
+        "", description="comma list `policy=off|missing|always` overriding `judge` for those policies"
+    )
+    judge_base_url: str | None = Field(
+        None,
+        description="OpenAI-compatible base URL of the judge (`http://host/v1`); None = the proxy's own "
+        "upstream, called directly (judge calls are never captured)",
+    )
+    judge_model: str | None = Field(
+        None, description="model the judge asks for; None = the upstream's served base model"
+    )
+    judge_api_key: str | None = Field(
+        None, description="bearer key for `judge_base_url`; None = the upstream's key when it is the judge"
+    )
+    judge_rubric: str | None = Field(
+        None, description="rubric for every policy; None = the built-in one (judge_prompt.py DEFAULT_RUBRIC)"
+    )
+    judge_rubrics: dict[str, str] = Field(
+        default_factory=dict,
+        description='per-policy rubrics, JSON `{"policy": "rubric"}`; the complete body\'s `rubric` wins',
+    )
+    judge_max_attempts: int = Field(
+        3, ge=1, le=10, description="judge calls per group before malformed output marks it failed"
+    )
+    judge_max_tokens: int = Field(1024, ge=16, description="max_tokens of a judge call")
+    judge_temperature: float = Field(
+        0.0, ge=0, le=2, description="temperature of a judge call (a retry samples at >= 0.7)"
+    )
+    judge_timeout: float = Field(120.0, gt=0, description="seconds a judge call may take")
+    judge_max_chars: int = Field(
+        4000, ge=200, description="characters of each trajectory shown to the judge (the end is kept)"
+    )
+
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _upstream_list(cls, value: object) -> object:
+        """A list of URLs (repeated `--upstream`) or a comma list -> one comma list; empty -> None."""
+        if isinstance(value, list | tuple):
+            value = ",".join(str(v) for v in value)
+        if isinstance(value, str):
+            value = ",".join(u.strip() for u in value.split(",") if u.strip()) or None
+        return value
+
+    @property
+    def upstream_urls(self) -> list[str]:
+        """The attached upstreams, one URL per replica (empty: none attached)."""
+        return self.upstream.split(",") if self.upstream else []
 
 
 def settings_markdown() -> str:

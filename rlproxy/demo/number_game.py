@@ -39,6 +39,10 @@ from openai import OpenAI
 
 FIRST_PROMPT = "Pick a number between 1 and 10. Reply with digits only."
 SECOND_PROMPT = "Add one to your number and reply with only the result."
+NAME = "number"
+TEMPERATURE = 1.0  # the demo's sampling temperature for this task
+MAX_TOKENS = 8  # tokens per reply: a number
+GOAL = 0.5  # last-3 minus first-3 mean reward that counts as learned
 DIGITS_WEIGHT = 0.3
 CORRECT_WEIGHT = 0.7
 
@@ -93,7 +97,12 @@ def post_reward(base_url: str, api_key: str, run_id: str, reward: float, metrics
 
 
 def play_episode(
-    client: OpenAI, model: str, group_id: str, temperature: float = 1.0, max_tokens: int = 8
+    client: OpenAI,
+    model: str,
+    group_id: str,
+    temperature: float = 1.0,
+    max_tokens: int = 8,
+    seed: int | None = None,
 ) -> Episode:
     """Two model calls with the environment's message in between; returns the scored episode."""
     run_id = f"num-{uuid.uuid4().hex[:16]}"
@@ -101,12 +110,13 @@ def play_episode(
     started = time.monotonic()
     messages: list[dict[str, str]] = [{"role": "user", "content": FIRST_PROMPT}]
     replies: list[str] = []
-    for follow_up in (SECOND_PROMPT, None):
+    for turn, follow_up in enumerate((SECOND_PROMPT, None)):
         completion = client.chat.completions.create(
             model=model,
             messages=messages,
             temperature=temperature,
             max_tokens=max_tokens,
+            seed=None if seed is None else seed * 10 + turn,
             extra_headers=headers,
         )
         reply = completion.choices[0].message.content or ""
@@ -126,12 +136,18 @@ def run_group(
     group_size: int = 8,
     temperature: float = 1.0,
     max_tokens: int = 8,
+    seed: int | None = None,
 ) -> list[Episode]:
-    """Play one group of episodes at the same time and post each reward as its episode ends."""
+    """Play one group of episodes at the same time and post each reward as its episode ends.
+
+    `seed` makes every sampling call reproducible (episode n of the group gets seeds derived from
+    seed and n); None samples at random.
+    """
     group_id = f"num-{uuid.uuid4().hex[:12]}"
 
-    def one(_: int) -> Episode:
-        episode = play_episode(client, model, group_id, temperature, max_tokens)
+    def one(i: int) -> Episode:
+        episode_seed = None if seed is None else seed * 1000 + i
+        episode = play_episode(client, model, group_id, temperature, max_tokens, episode_seed)
         post_reward(base_url, api_key, episode.run_id, episode.reward, episode.metrics)
         return episode
 

@@ -7,12 +7,17 @@ from pathlib import Path
 from typing import Any
 
 INSTALL_HINT = "pip install 'rlproxy[plot]'"
+TITLES = {"number": "number game", "directory": "directory lookups (tool calls)"}
 
 
 def plot_rewards(
-    rows: list[dict[str, Any]], path: Path, model: str, echo: Callable[[str], None]
+    rows: list[dict[str, Any]],
+    path: Path,
+    model: str,
+    echo: Callable[[str], None],
+    task: str = "number",
 ) -> Path | None:
-    """Write the mean reward per demo step to `path`; None (and a hint) without matplotlib."""
+    """Write the mean reward per group to `path`; None (and a hint) without matplotlib."""
     try:
         import matplotlib
     except ImportError:  # an optional extra: the summary and the SQL are the demo's record
@@ -22,7 +27,7 @@ def plot_rewards(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    steps = [r["step"] for r in rows]
+    steps = [r.get("group", r.get("step")) for r in rows]
     rewards = [r["mean_reward"] for r in rows]
     ax.plot(steps, rewards, marker="o", markersize=3, linewidth=1.5, label="mean reward of the step's group")
     if len(rows) >= 3:
@@ -31,10 +36,10 @@ def plot_rewards(
             for i in range(len(rows))
         ]
         ax.plot(steps, smooth, linewidth=2.5, alpha=0.7, label="mean of the last 3")
-    ax.set_xlabel("demo step (one group sampled, then one trainer step)")
+    ax.set_xlabel("group (sampled by the newest policy, then one trainer step on it)")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"rlproxy demo: {model} learns the number game")
+    ax.set_title(f"rlproxy demo: {model} learns the {TITLES.get(task, task)}")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()

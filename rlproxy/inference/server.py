@@ -1,6 +1,7 @@
 """The embedded engine's OpenAI-compatible HTTP app, mirroring vLLM 0.32's routes, bodies and errors.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health
+    POST /v1/responses   GET /v1/responses/{response_id}
     POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}
     POST /v1/unload_lora_adapter {lora_name}
 
@@ -13,8 +14,15 @@ only with the per-process secret the composition root made.
 
 Errors use vLLM's body `{"error": {"message", "type", "param", "code"}}` with `code` the HTTP
 status: unknown model 404, bad JSON and invalid parameters 400 (vLLM does not use 422), adapter
-errors as AdapterError says. The routes never run model code: they hand work to the engine's worker
-thread (`Generation`, `Engine.call`) and await it, so the event loop stays free.
+errors as AdapterError says. `/v1/responses` is served over the chat path with the translation in
+`rlproxy.inference.responses` (function tools, `instructions`, `input` as text or items, streamed
+events); what it cannot serve is a 400 `invalid_request_error`. Responses are kept (unless the request
+says `store: false`) in a bounded in-memory store, the newest `responses_kept` only (vLLM keeps them
+only with VLLM_ENABLE_RESPONSES_API_STORE=1, and without bound); `previous_response_id` continues
+from one, and an unknown or evicted id is a 404 like vLLM's.
+
+The routes never run model code: they hand work to the engine's worker thread (`Generation`,
+`Engine.call`) and await it, so the event loop stays free.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -38,22 +47,35 @@ from rlproxy.errors import AdapterError, APIError
 from rlproxy.inference.engine import Engine
 from rlproxy.inference.generation import Choice, Generation, chat_logprobs, completion_logprobs
 from rlproxy.inference.protocol import ChatBody, CompletionBody, LoadLoRABody, UnloadLoRABody
+from rlproxy.inference.responses import (
+    ResponseEvents,
+    ResponsesInputError,
+    chat_request,
+    conversation,
+    response_object,
+)
 from rlproxy.inference.tools import ToolStream, messages_for_template, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+RESPONSES_KEPT = 1024  # responses kept for previous_response_id / GET, oldest evicted first
+
 
 router = APIRouter()
 
 
-def create_engine_app(engine: Engine, api_key: str | None = None) -> FastAPI:
-    """The OpenAI app for one engine (`api_key`: see the module doc); the caller starts and closes it."""
+def create_engine_app(
+    engine: Engine, api_key: str | None = None, responses_kept: int = RESPONSES_KEPT
+) -> FastAPI:
+    """The OpenAI app for one engine (`api_key`, `responses_kept`: see the module doc); the caller
+    starts and closes it."""
     app = FastAPI(title="rlproxy embedded engine", redirect_slashes=False)
     if api_key:
         app.add_middleware(BearerCheck, api_key=api_key)
     app.state.engine = engine
     app.state.created = int(time.time())  # the `created` of every /v1/models entry
+    app.state.responses = ResponseStore(responses_kept)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(Exception, _internal)
     app.include_router(router)
@@ -128,16 +150,7 @@ async def chat(request: Request) -> Response:
     engine = _engine(request)
     body: ChatBody = await _parse(request, ChatBody)
     adapter = _adapter_for(engine, body.model)
-    try:
-        text = engine.tokenizer.apply_chat_template(
-            messages_for_template(body.messages),
-            tools=body.tools or None,
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-    except Exception as exc:  # template errors are the caller's messages, not a server fault
-        raise APIError(400, f"cannot apply the chat template: {exc}", type="BadRequestError") from exc
-    prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    prompt = _chat_prompt(engine, body)
     return await _generate(engine, body, [prompt], adapter, "chatcmpl", _chat_stream, _chat_result)
 
 
@@ -155,6 +168,40 @@ async def completions(request: Request) -> Response:
     return await _generate(engine, body, prompts, adapter, "cmpl", _completion_stream, _completion_result)
 
 
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    engine, store = _engine(request), request.app.state.responses
+    body = await _json(request)
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", type="invalid_request_error")
+    history = None
+    if isinstance(body.get("previous_response_id"), str):
+        history = store.history(body["previous_response_id"])
+    try:
+        chat_dict = chat_request(body, history)
+    except ResponsesInputError as exc:
+        raise APIError(400, str(exc), type="invalid_request_error", param=exc.param) from exc
+    chat_body: ChatBody = _validate(ChatBody, chat_dict)
+    adapter = _adapter_for(engine, chat_body.model)
+    gen, meta = _start(engine, chat_body, [_chat_prompt(engine, chat_body)], adapter, "chatcmpl")
+    ids = {"response_id": f"resp_{uuid.uuid4().hex}", "created_at": meta["created"]}
+    keep = body.get("store") is not False
+    if chat_body.stream:
+        events = ResponseEvents(body, model=meta["model"], **ids)
+        stream = _response_stream(engine.tokenizer, gen, chat_body, meta, events, store if keep else None)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    chat = {**meta, **_chat_result(engine.tokenizer, gen, chat_body, await _finished(gen))}
+    answer = response_object(body, chat, **ids)
+    if keep:
+        store.put(answer, conversation(chat_dict, chat["choices"][0]["message"]))
+    return JSONResponse(answer)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    return JSONResponse(request.app.state.responses.get(response_id))
+
+
 # ---------------------------------------------------------------------------------------------
 # Request plumbing shared by the routes
 
@@ -163,18 +210,40 @@ def _engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-async def _parse(request: Request, cls: type[BaseModel]) -> Any:
-    """The request body as `cls`; bad JSON or invalid values are APIError(400)."""
+async def _json(request: Request) -> Any:
+    """The request body as JSON; bad JSON is APIError(400)."""
     try:
-        raw = json.loads(await request.body())
+        return json.loads(await request.body())
     except ValueError as exc:
         raise APIError(400, f"Invalid JSON body: {exc}", type="BadRequestError") from exc
+
+
+async def _parse(request: Request, cls: type[BaseModel]) -> Any:
+    """The request body as `cls`; bad JSON or invalid values are APIError(400)."""
+    return _validate(cls, await _json(request))
+
+
+def _validate(cls: type[BaseModel], raw: Any) -> Any:
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(x) for x in first.get("loc", ())) or None
         raise APIError(400, f"{first.get('msg')} ({param})", type="BadRequestError", param=param) from exc
+
+
+def _chat_prompt(engine: Engine, body: ChatBody) -> list[int]:
+    """The prompt token ids of a chat body (its messages and tools through the chat template)."""
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            messages_for_template(body.messages),
+            tools=body.tools or None,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+    except Exception as exc:  # template errors are the caller's messages, not a server fault
+        raise APIError(400, f"cannot apply the chat template: {exc}", type="BadRequestError") from exc
+    return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _adapter_for(engine: Engine, model: str | None) -> str | None:
@@ -206,6 +275,20 @@ async def _generate(
 ) -> Response:
     """Run `prompts` × `body.n` on the engine: an SSE stream of `stream`'s chunks, or one JSON body
     (`result`) once every choice has finished; both start with the same id/created/model."""
+    gen, meta = _start(engine, body, prompts, adapter, id_prefix)
+    if body.stream:
+        return StreamingResponse(stream(engine.tokenizer, gen, body, meta), media_type="text/event-stream")
+    return JSONResponse({**meta, **result(engine.tokenizer, gen, body, await _finished(gen))})
+
+
+def _start(
+    engine: Engine,
+    body: ChatBody | CompletionBody,
+    prompts: list[list[int]],
+    adapter: str | None,
+    id_prefix: str,
+) -> tuple[Generation, dict[str, Any]]:
+    """The (not yet submitted) generation of `prompts` and its id/created/model; 400 past the context."""
     params = body.params(engine.sampling_defaults)
     limit = engine.max_model_len
     for p in prompts:
@@ -222,13 +305,16 @@ async def _generate(
         "created": int(time.time()),
         "model": body.model or engine.served_name,
     }
-    if body.stream:
-        return StreamingResponse(stream(engine.tokenizer, gen, body, meta), media_type="text/event-stream")
+    return gen, meta
+
+
+async def _finished(gen: Generation) -> list[Choice]:
+    """Run `gen` to the end; a failed row is a 500."""
     async with gen:
         results = await gen.finish()
     if any(c.finish_reason == "error" for c in results):
         raise APIError(500, "the engine failed while generating; see its log", type="InternalServerError")
-    return JSONResponse({**meta, **result(engine.tokenizer, gen, body, results)})
+    return results
 
 
 def _error(status: int, message: str, param: str | None = None, type: str | None = None) -> JSONResponse:
@@ -285,6 +371,14 @@ def _chat_result(tok: Any, gen: Generation, body: ChatBody, results: list[Choice
 
 
 async def _chat_stream(tok: Any, gen: Generation, body: ChatBody, meta: dict[str, Any]) -> AsyncIterator[str]:
+    async for chunk in _chat_chunks(tok, gen, body, meta):
+        yield _sse(chunk)
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_chunks(
+    tok: Any, gen: Generation, body: ChatBody, meta: dict[str, Any]
+) -> AsyncIterator[dict[str, Any]]:
     base = {**meta, "object": "chat.completion.chunk"}
     tools = [ToolStream() for _ in gen.choices] if body.parse_tools else None
     async with gen:
@@ -302,7 +396,7 @@ async def _chat_stream(tok: Any, gen: Generation, body: ChatBody, meta: dict[str
             }
             if body.return_token_ids:
                 first["prompt_token_ids"] = gen.prompt_ids(i)
-            yield _sse(first)
+            yield first
         async for i, d in gen.deltas():
             text, delta = d.text, {}
             finish = d.finish_reason
@@ -328,10 +422,9 @@ async def _chat_stream(tok: Any, gen: Generation, body: ChatBody, meta: dict[str
                 choice["stop_reason"] = d.stop_reason
             if body.return_token_ids:
                 choice["token_ids"] = d.token_ids
-            yield _sse({**base, "choices": [choice]})
+            yield {**base, "choices": [choice]}
         if body.include_usage:
-            yield _sse({**base, "choices": [], "usage": gen.usage()})
-    yield "data: [DONE]\n\n"
+            yield {**base, "choices": [], "usage": gen.usage()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,3 +479,70 @@ async def _completion_stream(
         if body.include_usage:
             yield _sse({**base, "choices": [], "usage": gen.usage()})
     yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses: events over the chat chunks, and the store of earlier responses
+
+
+async def _response_stream(
+    tok: Any,
+    gen: Generation,
+    body: ChatBody,
+    meta: dict[str, Any],
+    events: ResponseEvents,
+    store: ResponseStore | None,
+) -> AsyncIterator[str]:
+    """Responses SSE (`event: <type>` + `data: <json>`) from the chat chunks; kept in `store` at the end."""
+    message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": []}
+    failed = False
+    for event in events.start():
+        yield _event(event)
+    async for chunk in _chat_chunks(tok, gen, body, meta):
+        for choice in chunk["choices"]:
+            message["content"] += choice["delta"].get("content") or ""
+            message["tool_calls"] += choice["delta"].get("tool_calls") or []
+            failed = failed or choice["finish_reason"] == "error"
+        for event in events.feed(chunk):
+            yield _event(event)
+    if failed:
+        for event in events.fail("the engine failed while generating; see its log"):
+            yield _event(event)
+        return
+    for event in events.finish():
+        yield _event(event)
+    if store is not None:
+        store.put(events.response, conversation({"messages": body.messages}, message))
+
+
+def _event(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+class ResponseStore:
+    """The newest `size` responses by id, each with the chat messages a continuation starts from."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        self._kept[response["id"]] = (response, messages)
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> dict[str, Any]:
+        """The response; APIError 404 (vLLM's answer) when unknown or evicted."""
+        if response_id not in self._kept:
+            raise APIError(
+                404,
+                f"Response with id '{response_id}' not found.",
+                type="invalid_request_error",
+                param="response_id",
+            )
+        return self._kept[response_id][0]
+
+    def history(self, response_id: str) -> list[dict[str, Any]]:
+        """The messages `previous_response_id` continues from; 404 like `get`."""
+        self.get(response_id)
+        return self._kept[response_id][1]

@@ -25,6 +25,15 @@ forwarder reads it too). A launched server gets it as `VLLM_API_KEY` in its envi
 
 Attach mode (`upstream=URL`) never starts or stops anything; the served model name comes from
 `/v1/models`. Adapter paths are sent as given (made absolute), so the server must see the same files.
+
+Several replicas (`upstream="URL1,URL2"` or a list): one model served by several servers. They are
+attached together (at least one must answer; all that answer must serve the same base model), and
+`load_adapter` / `unload_adapter` go to every replica at once. A replica that cannot be connected
+to is skipped (logged): it is down, so it serves nothing, and whoever brings it back gives it the
+current adapters first (`load_adapters_into`, which the proxy's `upstreams.Upstreams` calls when a
+probe finds an ejected replica answering again). Any other failure on any replica fails the call,
+so the trainer never flips a policy to an adapter a live replica does not have. `base_url` is the
+first replica (what single-server callers read); `base_urls` all of them.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from pathlib import Path
 
 import httpx
 
-from rlproxy.errors import AdapterError, BackendUnavailable, ModelError
+from rlproxy.errors import AdapterError, BackendUnavailable, BackendUnreachable, ModelError
 from rlproxy.inference.models import BUILTINS, default_cache_dir, resolve_model, served_name
 from rlproxy.inference.vllm_process import VLLMProcess, free_port, listening
 
@@ -56,7 +65,7 @@ class VLLMBackend:
         self,
         model: str,
         cache_dir: str | Path | None = None,
-        upstream: str | None = None,
+        upstream: str | list[str] | tuple[str, ...] | None = None,
         python: str = "python",
         host: str = "127.0.0.1",
         port: int = 0,
@@ -72,7 +81,13 @@ class VLLMBackend:
             raise ValueError(f"device must be auto, cpu or gpu, not {device!r}")
         self.model = model
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.upstream = upstream.rstrip("/").removesuffix("/v1") if upstream else None
+        urls = upstream.split(",") if isinstance(upstream, str) else list(upstream or [])
+        self.upstreams: tuple[str, ...] = tuple(
+            u.strip().rstrip("/").removesuffix("/v1") for u in urls if u.strip()
+        )
+        self.upstream = self.upstreams[0] if self.upstreams else None
+        # the adapters every replica must serve (name -> folder): what a returning replica is given
+        self.adapters: dict[str, str] = {}
         self.python = python
         self.host = host
         self.port = port
@@ -100,6 +115,11 @@ class VLLMBackend:
         if self._base_url is None:
             raise BackendUnavailable("vLLM backend not started: call start() first")
         return self._base_url
+
+    @property
+    def base_urls(self) -> tuple[str, ...]:
+        """Every replica's root URL (one, unless several upstreams were attached)."""
+        return self.upstreams if self.upstreams else (self.base_url,)
 
     @property
     def served_model(self) -> str:
@@ -148,10 +168,15 @@ class VLLMBackend:
         self._client_loop = None
 
     async def health(self) -> bool:
+        """True when the server (with several replicas: any of them) answers `/health`."""
         if not self._started or self._base_url is None:
             return False
+        urls = self.upstreams or (self._base_url,)
+        return any(await asyncio.gather(*(self._healthy(url) for url in urls)))
+
+    async def _healthy(self, url: str) -> bool:
         try:
-            resp = await self._http().get(f"{self._base_url}/health", timeout=5.0)
+            resp = await self._http().get(f"{url}/health", timeout=5.0)
         except httpx.HTTPError:
             return False
         return resp.status_code == 200
@@ -167,26 +192,82 @@ class VLLMBackend:
     # -- adapters ----------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """POST /v1/load_lora_adapter, replacing an adapter of the same name in place."""
+        """POST /v1/load_lora_adapter (on every replica), replacing an adapter of the same name in place."""
         body = {"lora_name": name, "lora_path": str(Path(path).resolve()), "load_inplace": True}
         started = time.monotonic()
-        await self._post_adapter("/v1/load_lora_adapter", body, f"load adapter {name!r} from {path}")
+        before = self.adapters.get(name)
+        self.adapters[name] = body["lora_path"]  # before loading: a replica returning meanwhile gets it
+        try:
+            loaded = await self._on_replicas(
+                "/v1/load_lora_adapter", body, f"load adapter {name!r} from {path}"
+            )
+        except BaseException:  # never hand a returning replica an adapter that did not load
+            if before is None:
+                self.adapters.pop(name, None)
+            else:
+                self.adapters[name] = before
+            raise
         logger.info(
-            "vLLM loaded adapter %r from %s in %.0f ms", name, path, (time.monotonic() - started) * 1e3
+            "vLLM loaded adapter %r from %s in %.0f ms%s",
+            name,
+            path,
+            (time.monotonic() - started) * 1e3,
+            f" on {loaded} of {len(self.upstreams)} replicas" if len(self.upstreams) > 1 else "",
         )
 
     async def unload_adapter(self, name: str) -> None:
-        """POST /v1/unload_lora_adapter; AdapterError(status=404) if vLLM does not know `name`."""
-        await self._post_adapter("/v1/unload_lora_adapter", {"lora_name": name}, f"unload adapter {name!r}")
+        """POST /v1/unload_lora_adapter (on every replica); AdapterError(status=404) if none knows `name`."""
+        self.adapters.pop(name, None)
+        await self._on_replicas("/v1/unload_lora_adapter", {"lora_name": name}, f"unload adapter {name!r}")
         logger.info("vLLM unloaded adapter %r", name)
 
-    async def _post_adapter(self, route: str, body: dict, what: str) -> None:
+    async def load_adapters_into(self, url: str, adapters: dict[str, str] | None = None) -> None:
+        """Give replica `url` every adapter the replicas serve (plus `adapters`: name -> folder), one by
+        one, before it takes traffic again; raises BackendUnavailable / AdapterError like `load_adapter`."""
+        wanted = {**(adapters or {}), **self.adapters}
+        for name, path in wanted.items():
+            body = {"lora_name": name, "lora_path": str(Path(path).resolve()), "load_inplace": True}
+            await self._post_adapter(url, "/v1/load_lora_adapter", body, f"load adapter {name!r} from {path}")
+        if wanted:
+            logger.info("replica %s given %d adapter(s): %s", url, len(wanted), ", ".join(sorted(wanted)))
+
+    async def _on_replicas(self, route: str, body: dict, what: str) -> int:
+        """POST `route` to every replica at once; the number that did it. Unreachable replicas are
+        skipped (logged) unless all are; a 404 on an unload counts only when every replica said it."""
+        if not self._started:
+            raise BackendUnavailable("vLLM backend not started: call start() first")
+        urls = self.upstreams or (self.base_url,)
+        if len(urls) == 1:
+            await self._post_adapter(urls[0], route, body, what)
+            return 1
+        results = await asyncio.gather(
+            *(self._post_adapter(url, route, body, what) for url in urls), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        down = [r for r in errors if isinstance(r, BackendUnreachable)]
+        unloading = route.endswith("unload_lora_adapter")  # a 404 there: that replica lacks it already
+        missing = [r for r in errors if unloading and isinstance(r, AdapterError) and r.status == 404]
+        for exc in down:
+            logger.warning("%s: replica skipped (%s); it gets the adapters when it returns", what, exc)
+        if len(down) == len(urls):
+            raise BackendUnavailable(f"cannot {what}: no replica is reachable ({down[0]})")
+        if missing and len(missing) + len(down) == len(urls):
+            raise missing[0]
+        for exc in errors:
+            if exc in down or exc in missing:
+                continue
+            raise exc
+        return len(urls) - len(errors)
+
+    async def _post_adapter(self, url: str, route: str, body: dict, what: str) -> None:
         if not self._started:
             raise BackendUnavailable("vLLM backend not started: call start() first")
         try:
-            resp = await self._http().post(f"{self.base_url}{route}", json=body, timeout=ADAPTER_TIMEOUT_S)
+            resp = await self._http().post(f"{url}{route}", json=body, timeout=ADAPTER_TIMEOUT_S)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing sent: the replica is down
+            raise BackendUnreachable(f"cannot {what}: vLLM at {url} unreachable ({exc!r})") from exc
         except httpx.HTTPError as exc:
-            raise BackendUnavailable(f"cannot {what}: vLLM at {self.base_url} unreachable ({exc!r})") from exc
+            raise BackendUnavailable(f"cannot {what}: vLLM at {url} unreachable ({exc!r})") from exc
         if resp.status_code != 200:
             raise AdapterError(f"cannot {what}: vLLM said {_error_message(resp)}", status=resp.status_code)
 
@@ -194,21 +275,43 @@ class VLLMBackend:
 
     async def _attach(self) -> None:
         assert self.upstream is not None
+        found = await asyncio.gather(
+            *(self._base_entry(url) for url in self.upstreams), return_exceptions=True
+        )
+        answered = {
+            url: entry for url, entry in zip(self.upstreams, found, strict=True) if isinstance(entry, dict)
+        }
+        if not answered:
+            raise next(e for e in found if isinstance(e, BaseException))
+        for url, entry in zip(self.upstreams, found, strict=True):
+            if isinstance(entry, BaseException):  # a replica down at start joins when it answers
+                logger.warning("replica %s is not answering yet (%s)", url, entry)
+        names = {entry["id"] for entry in answered.values()}
+        if len(names) > 1:
+            raise BackendUnavailable(
+                f"the upstream replicas serve different models ({sorted(names)}): every --upstream must "
+                "serve the same one"
+            )
+        first = next(iter(answered.values()))
+        self._served_model = first["id"]
+        self._model_path = await asyncio.to_thread(self._local_weights, first)
+        if not await self.health():
+            raise BackendUnavailable(f"vLLM at {self.upstream} is not healthy (GET /health)")
+        logger.info("attached to vLLM at %s serving %r", ", ".join(answered), self._served_model)
+
+    async def _base_entry(self, url: str) -> dict:
+        """The base model's entry in `url`'s `/v1/models`; BackendUnavailable if it does not say."""
         try:
-            resp = await self._http().get(f"{self.upstream}/v1/models", timeout=10.0)
+            resp = await self._http().get(f"{url}/v1/models", timeout=10.0)
             resp.raise_for_status()
             models = resp.json()["data"]
         except (httpx.HTTPError, ValueError, KeyError) as exc:
-            raise BackendUnavailable(f"vLLM at {self.upstream} does not answer /v1/models: {exc!r}") from exc
+            raise BackendUnavailable(f"vLLM at {url} does not answer /v1/models: {exc!r}") from exc
         # The base model is the entry without a parent; LoRA adapters name the base as parent.
         bases = [m for m in models if not m.get("parent")]
         if not bases:
-            raise BackendUnavailable(f"vLLM at {self.upstream} lists no base model in /v1/models")
-        self._served_model = bases[0]["id"]
-        self._model_path = await asyncio.to_thread(self._local_weights, bases[0])
-        if not await self.health():
-            raise BackendUnavailable(f"vLLM at {self.upstream} is not healthy (GET /health)")
-        logger.info("attached to vLLM at %s serving %r", self.upstream, self._served_model)
+            raise BackendUnavailable(f"vLLM at {url} lists no base model in /v1/models")
+        return bases[0]
 
     def _local_weights(self, entry: dict) -> str:
         """The trainer needs the base weights locally: our model name if it resolves, else the

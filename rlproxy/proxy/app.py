@@ -42,7 +42,7 @@ class ProxyState:
     inflight: InFlight = field(default_factory=InFlight)
     engine: object = None  # AsyncEngine
     writer: object = None  # storage.writer.Writer
-    upstream: object = None  # forward.Upstream
+    upstream: object = None  # forward.Upstream, or upstreams.Upstreams (several replicas)
     # request headers never forwarded: the client's key is ours, not the upstream's (which
     # forward.Upstream sends itself: the backend's `api_key`)
     drop_headers: frozenset[bytes] = frozenset({b"authorization"})
@@ -85,7 +85,7 @@ def create_app(state: ProxyState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        from rlproxy.proxy.forward import Upstream
+        from rlproxy.proxy import upstreams
         from rlproxy.storage.writer import Writer
 
         state.gate.bind(asyncio.get_running_loop())
@@ -109,16 +109,18 @@ def create_app(state: ProxyState) -> FastAPI:
             await backend.start()
             state.policies.set_base(backend.served_model)
             await state.policies.reload(backend, state.engine)
-            timeout = settings.upstream_timeout
-            upstream = Upstream(
-                backend.base_url,
-                timeout,
-                idle_timeout=settings.upstream_idle_timeout,
-                max_connections=settings.upstream_max_connections,
+            # one forward.Upstream, or upstreams.Upstreams over several replicas (`--upstream` repeated)
+            upstream = await upstreams.open_upstream(
+                getattr(backend, "base_urls", None) or (backend.base_url,),
+                settings,
                 api_key=getattr(backend, "api_key", None),  # the engine's secret, if it has one
+                restore=upstreams.restorer(backend, state.engine),
             )
             state.upstream = upstream
-            tasks.append(asyncio.create_task(state.policies.poll(state.engine), name="rlproxy-policy-poll"))
+            if isinstance(upstream, upstreams.Upstreams):
+                state.metrics.attach_upstreams(upstream)
+            poll = state.policies.poll(state.engine, settings.policy_poll_interval, backend)  # replicas
+            tasks.append(asyncio.create_task(poll, name="rlproxy-policy-poll"))
             tasks.append(
                 asyncio.create_task(_expire_loop(state.engine, settings.run_expiry), name="rlproxy-expiry")
             )

@@ -1,29 +1,34 @@
 """The `rlproxy` command line: it parses options into `Settings` and calls the composition root.
 
-Every option also reads `RLPROXY_<OPTION>`: the Settings object is built from the environment
-first, then the options actually given on the command line override it. What `serve` runs is built
-by `rlproxy/compose.py` (`build_app`), the one place that wires the parts together.
+Options that set a setting are made from the settings object (`cli_options.setting`): their help,
+environment variable and default are the field's, the same as the README's table. A user's mistake
+(a bad option, a missing database, bad SQL) ends with one `error: ...` line and a non-zero exit
+(`cli_options.CleanErrors`); `rlproxy --debug ...` shows the traceback instead. What `serve` runs is
+built by `rlproxy/compose.py`; queries are in `rlproxy/storage/`; output formats in `cli_output.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
-from rlproxy.errors import RLProxyError
+from rlproxy.proxy.cli_options import ENV_NOTE, CleanErrors, field_default, setting
 from rlproxy.settings import Settings
+from rlproxy.storage.models import RunStatus
 
 logger = logging.getLogger(__name__)
 
-ENV_NOTE = "Every option also reads RLPROXY_<OPTION> (e.g. RLPROXY_DB_URL, RLPROXY_API_KEY); options win."
+LogLevel = Literal["debug", "info", "warning", "error"]
+Backend = Literal["embedded", "vllm"]
+
 
 app = typer.Typer(
+    cls=CleanErrors,
     help="rlproxy: an OpenAI-compatible proxy that turns agent traffic into GRPO training.",
     epilog=ENV_NOTE,
     no_args_is_help=True,
@@ -31,10 +36,33 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
 models_app = typer.Typer(help="Built-in models.", no_args_is_help=True)
+runs_app = typer.Typer(help="Runs: a table of recent ones, or one in full (`runs show ID`).")
 app.add_typer(db_app, name="db")
 app.add_typer(models_app, name="models")
+app.add_typer(runs_app, name="runs", invoke_without_command=True)
 
-DbOpt = Annotated[str | None, typer.Option("--db", help="database URL or SQLite path [env RLPROXY_DB_URL]")]
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"rlproxy {version('rlproxy')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks instead of one error line")] = False,
+) -> None:
+    """rlproxy: an OpenAI-compatible proxy that turns agent traffic into GRPO training."""
+
+
+DbOpt = Annotated[str, setting("db_url", "--db", help="database URL or SQLite file path", metavar="URL")]
+LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="rows to show (1-1000)")]
+InitOpt = Annotated[str | None, setting("init_adapter", "--init-adapter", metavar="DIR")]
 
 
 def make_settings(**options: Any) -> Settings:
@@ -44,10 +72,18 @@ def make_settings(**options: Any) -> Settings:
         from rlproxy.storage.db import normalize_url
 
         given["db_url"] = normalize_url(given["db_url"])
+    from pydantic import ValidationError
+
     try:
         return Settings(**given)
-    except ValueError as exc:  # pydantic's ValidationError
-        raise typer.BadParameter(str(exc)) from None
+    except ValidationError as exc:  # a bad RLPROXY_* variable, or a value no option type caught
+        problems = [
+            f"{e['loc'][0]} (RLPROXY_{str(e['loc'][0]).upper()}): {e['msg']}, got {e.get('input')!r}"
+            if e.get("loc")
+            else e["msg"]
+            for e in exc.errors()
+        ]
+        raise typer.BadParameter("; ".join(problems)) from None
 
 
 def _run(coro) -> None:
@@ -60,38 +96,33 @@ def _run(coro) -> None:
 def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per adapter/health call is noise
+    from rlproxy.logsetup import quiet_third_party
+
+    quiet_third_party(level)  # Alembic INFO, progress bars, FutureWarnings: at WARNING or off
 
 
 @app.command(epilog=ENV_NOTE)
 def serve(
-    backend: Annotated[str | None, typer.Option(help="embedded | vllm [env RLPROXY_BACKEND]")] = None,
-    model: Annotated[str | None, typer.Option(help="smollm2-135m, tiny, or a HF model folder")] = None,
-    upstream: Annotated[str | None, typer.Option(help="attach to this OpenAI-compatible server URL")] = None,
-    db: DbOpt = None,
-    host: Annotated[str | None, typer.Option(help="listen address")] = None,
-    port: Annotated[int | None, typer.Option(help="listen port")] = None,
-    train: Annotated[
-        bool | None, typer.Option("--train/--no-train", help="run the trainer inside serve")
-    ] = None,
-    group_size: Annotated[int | None, typer.Option(help="completed runs that make a group")] = None,
-    groups_per_step: Annotated[int | None, typer.Option(help="groups per optimizer step")] = None,
-    api_key: Annotated[
-        str | None, typer.Option(help="agents' key: OpenAI routes and rewards need Authorization: Bearer KEY")
-    ] = None,
-    admin_key: Annotated[
-        str | None, typer.Option(help="operators' key: all runs, stats, training steps, /metrics, dashboard")
-    ] = None,
-    model_map: Annotated[
-        str | None, typer.Option(help="name=policy,*=policy for hard-coded model names")
-    ] = None,
+    backend: Annotated[Backend, setting("backend")] = field_default("backend"),
+    model: Annotated[str, setting("model")] = field_default("model"),
+    upstream: Annotated[list[str] | None, setting("upstream", metavar="URL")] = None,
+    db: DbOpt = field_default("db_url"),
+    host: Annotated[str, setting("host")] = field_default("host"),
+    port: Annotated[int, setting("port", min=0, max=65535)] = field_default("port"),
+    train: Annotated[bool, setting("train", "--train/--no-train")] = field_default("train"),
+    group_size: Annotated[int, setting("group_size", min=1)] = field_default("group_size"),
+    groups_per_step: Annotated[int, setting("groups_per_step", min=1)] = field_default("groups_per_step"),
+    api_key: Annotated[str | None, setting("api_key", metavar="KEY")] = None,
+    admin_key: Annotated[str | None, setting("admin_key", metavar="KEY")] = None,
+    model_map: Annotated[str, setting("model_map", metavar="NAME=POLICY,...")] = field_default("model_map"),
     blocking_train: Annotated[
-        bool | None,
-        typer.Option("--blocking-train/--no-blocking-train", help="hold new requests while a step trains"),
-    ] = None,
+        bool, setting("blocking_train", "--blocking-train/--no-blocking-train")
+    ] = field_default("blocking_train"),
+    init_adapter: InitOpt = None,
     access_log: Annotated[
         bool, typer.Option("--access-log/--no-access-log", help="one log line per request")
     ] = True,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
+    log_level: Annotated[LogLevel, typer.Option(help="log level")] = "info",
 ) -> None:
     """Run the proxy (and the embedded engine and trainer, by default)."""
     settings = make_settings(
@@ -108,55 +139,44 @@ def serve(
         admin_key=admin_key,
         model_map=model_map,
         blocking_train=blocking_train,
+        init_adapter=init_adapter,
     )
     _logging(log_level)
-    try:
-        _run(_serve(settings, access_log, log_level))
-    except RLProxyError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    _serve(settings, access_log, log_level)
 
 
-async def _serve(settings: Settings, access_log: bool, log_level: str) -> None:
-    import uvicorn
+def _serve(settings: Settings, access_log: bool, log_level: str, readonly: bool = False) -> None:
+    from rlproxy import compose
 
-    from rlproxy.compose import build_app
-    from rlproxy.proxy import server as http_server
+    def ready(base: str) -> None:
+        if readonly:
+            typer.echo(f"rlproxy dashboard (read-only) on {base}/")
+        else:
+            typer.echo(f"rlproxy ready. Point your app at it:\n  export OPENAI_BASE_URL={base}/v1")
 
-    _raise_open_files(settings.max_connections + 256)  # each connection is a file descriptor
-    application = build_app(settings)
-    config = http_server.config(application, settings, access_log=access_log, log_level=log_level)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        sock = server.servers[0].sockets[0].getsockname()
-        host = settings.host if settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        typer.echo(
-            f"rlproxy ready. Point your app at it:\n  export OPENAI_BASE_URL=http://{host}:{sock[1]}/v1"
+    started = [False]
+
+    async def go() -> None:
+        started[0] = await compose.serve(
+            settings, readonly=readonly, access_log=access_log, log_level=log_level, on_ready=ready
         )
-    await task
+
+    _run(go())
+    if not started[0]:  # the lifespan failed (its error is in the log): say so in the exit code
+        raise typer.Exit(1)
 
 
-def _raise_open_files(wanted: int) -> None:
-    """Raise the soft open-files limit toward `wanted` (at most the hard one): the cap binds, not EMFILE."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-
-
-@app.command()
+@app.command(epilog=ENV_NOTE)
 def engine(
-    model: Annotated[str | None, typer.Option(help="smollm2-135m, tiny, or a HF model folder")] = None,
+    model: Annotated[str, setting("model")] = field_default("model"),
     host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="listen port")] = 8001,
-    threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="listen port")] = 8001,
+    threads: Annotated[int | None, setting("engine_threads", "--threads", min=1)] = None,
     api_key: Annotated[
-        str | None, typer.Option(help="require Authorization: Bearer KEY on every route but /health")
+        str | None,
+        setting(
+            "api_key", metavar="KEY", help="require Authorization: Bearer KEY on every route but /health"
+        ),
     ] = None,
 ) -> None:
     """Serve the embedded engine alone (an OpenAI-compatible server with vLLM's adapter routes)."""
@@ -177,191 +197,353 @@ def engine(
 
 @app.command(epilog=ENV_NOTE)
 def train(
-    db: DbOpt = None,
-    upstream: Annotated[str | None, typer.Option(help="the inference server to publish adapters to")] = None,
-    model: Annotated[str | None, typer.Option(help="the base model (same weights as the server's)")] = None,
-    group_size: Annotated[int | None, typer.Option(help="completed runs that make a group")] = None,
-    groups_per_step: Annotated[int | None, typer.Option(help="groups per optimizer step")] = None,
+    db: DbOpt = field_default("db_url"),
+    upstream: Annotated[
+        list[str] | None,
+        setting(
+            "upstream",
+            metavar="URL",
+            help="the inference server to publish adapters to (repeat for several replicas: each gets them)",
+        ),
+    ] = None,
+    model: Annotated[
+        str, setting("model", help="the base model (same weights as the server's)")
+    ] = field_default("model"),
+    group_size: Annotated[int, setting("group_size", min=1)] = field_default("group_size"),
+    groups_per_step: Annotated[int, setting("groups_per_step", min=1)] = field_default("groups_per_step"),
+    nproc: Annotated[int, setting("nproc", min=0)] = field_default("nproc"),
+    init_adapter: InitOpt = None,
 ) -> None:
-    """Run the trainer as its own process until SIGTERM / Ctrl-C."""
+    """Run the trainer as its own process (or `--nproc N` ranks) until SIGTERM / Ctrl-C."""
     settings = make_settings(
-        db_url=db, upstream=upstream, model=model, group_size=group_size, groups_per_step=groups_per_step
+        db_url=db,
+        upstream=upstream,
+        model=model,
+        group_size=group_size,
+        groups_per_step=groups_per_step,
+        nproc=nproc,
+        init_adapter=init_adapter,
     )
     if not settings.upstream:
         raise typer.BadParameter("--upstream (or RLPROXY_UPSTREAM) is required: the server to publish to")
     _logging("info")
-    try:
-        asyncio.run(_train(settings))
-    except RLProxyError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    from rlproxy.compose import launch_trainer, run_trainer
+
+    if settings.nproc:
+        launch_trainer(settings)  # torchrun's agent in this process; the ranks run compose.train_worker
+    else:
+        asyncio.run(run_trainer(settings))
 
 
-async def _train(settings: Settings) -> None:
-    from rlproxy.compose import trainer_config
-    from rlproxy.inference.vllm import VLLMBackend
-    from rlproxy.storage import db
-    from rlproxy.trainer.service import TrainerService
+@app.command(epilog=ENV_NOTE)
+def sft(
+    policy: Annotated[str, typer.Option(help="the policy to train (its newest step is continued)")],
+    where: Annotated[
+        str | None,
+        typer.Option(metavar="SQL", help='SQL condition over the trajectories view, e.g. "reward >= 0.9"'),
+    ] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file", metavar="JSONL", help='OpenAI chat JSONL: {"messages": [...], "tools": [...]}'
+        ),
+    ] = None,
+    epochs: Annotated[int, typer.Option(min=1, help="passes over the examples")] = 1,
+    batch_size: Annotated[int, typer.Option(min=1, help="examples per optimizer step")] = 16,
+    learning_rate: Annotated[float | None, setting("learning_rate", min=0)] = None,
+    db: DbOpt = field_default("db_url"),
+    upstream: Annotated[
+        list[str] | None,
+        setting(
+            "upstream",
+            metavar="URL",
+            help="also load the new adapter into this server (else serve's poll does)",
+        ),
+    ] = None,
+    model: Annotated[
+        str, setting("model", help="the base model (same weights as the server's)")
+    ] = field_default("model"),
+    checkpoint_dir: Annotated[str, setting("checkpoint_dir", metavar="DIR")] = field_default(
+        "checkpoint_dir"
+    ),
+) -> None:
+    """Supervised fine-tuning from stored runs (exact tokens) or a chat file, published as the next step."""
+    from rlproxy import compose
 
-    url = db.normalize_url(settings.db_url)
-    await db.upgrade_async(url)
-    backend = VLLMBackend(
-        settings.model,
-        cache_dir=Path(settings.cache_dir).expanduser(),
-        upstream=settings.upstream,
-        api_key=settings.upstream_api_key,
+    if (where is None) == (file is None):
+        raise typer.BadParameter("give one of --where (SQL over trajectories) and --file (chat JSONL)")
+    if file is not None and not file.is_file():
+        raise typer.BadParameter(f"{file} is not a file", param_hint="--file")
+    settings = make_settings(
+        db_url=db, upstream=upstream, model=model, checkpoint_dir=checkpoint_dir, learning_rate=learning_rate
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await backend.start()
-    service = TrainerService(trainer_config(settings), url, backend)
-    try:
-        await service.start()
-        logger.info("trainer running against %s; SIGTERM to stop", settings.upstream)
-        await stop.wait()
-    finally:
-        await service.stop()
-        await backend.stop()
+    _logging("warning")
+    out = asyncio.run(
+        compose.run_sft(settings, policy, where=where, file=file, epochs=epochs, batch_size=batch_size)
+    )
+    typer.echo(
+        f"step {out['step']} of {policy} (sft): loss {out['loss/total']:.4f}, token accuracy "
+        f"{out['sft/token_accuracy']:.3f}, {int(out['sft/examples'])} examples -> {out['adapter_path']}"
+    )
 
 
-@app.command()
+@app.command(epilog=ENV_NOTE)
+def fork(
+    source: Annotated[str, typer.Argument(metavar="POLICY@N", help="the step to start from")],
+    new_policy: Annotated[str, typer.Argument(metavar="NEW_POLICY", help="the new policy's name")],
+    db: DbOpt = field_default("db_url"),
+    checkpoint_dir: Annotated[str, setting("checkpoint_dir", metavar="DIR")] = field_default(
+        "checkpoint_dir"
+    ),
+) -> None:
+    """Start a new policy from a step: NEW_POLICY@1 is POLICY@N (adapter and optimizer state)."""
+    from rlproxy import compose
+
+    settings = make_settings(db_url=db, checkpoint_dir=checkpoint_dir)
+    saved = asyncio.run(compose.fork(settings, source, new_policy))
+    typer.echo(f"{new_policy}@1 = {source} ({saved.path}); a running serve serves it within seconds")
+
+
+def _read(db: str, fn: Any, *, check: bool = True, timeout: float | None = None) -> Any:
+    """`await fn(engine)` on a read-only engine on the store `db` (checked to be rlproxy's)."""
+    from rlproxy.storage import queries
+
+    url = make_settings(db_url=db).db_url
+
+    async def go() -> Any:
+        engine_ = await queries.open_readonly(url, statement_timeout_s=timeout, check=check)
+        try:
+            return await fn(engine_)
+        finally:
+            await engine_.dispose()
+
+    return asyncio.run(go())
+
+
+@runs_app.callback(epilog=ENV_NOTE)
 def runs(
-    db: DbOpt = None,
-    status: Annotated[
-        str | None, typer.Option(help="open, completed, trained, skipped, failed, expired")
-    ] = None,
-    limit: Annotated[int, typer.Option(help="rows to show")] = 20,
+    ctx: typer.Context,
+    db: DbOpt = field_default("db_url"),
+    status: Annotated[RunStatus | None, typer.Option(help="only runs with this status")] = None,
+    limit: LimitOpt = 20,
 ) -> None:
-    """A table of recent runs."""
-    settings = make_settings(db_url=db)
+    """A table of recent runs, newest first (`rlproxy runs show ID`: one run in full)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rlproxy.proxy.cli_output import print_table
+    from rlproxy.storage import queries
 
-    async def fetch() -> list[dict]:
-        from rlproxy.storage import db as dbm
-        from rlproxy.storage import queries
-
-        engine_ = dbm.create_engine(dbm.normalize_url(settings.db_url), readonly=True)
-        try:
-            rows, _ = await queries.list_runs(engine_, status=status, limit=limit)
-            return rows
-        finally:
-            await engine_.dispose()
-
-    rows = asyncio.run(fetch())
-    cols = ["id", "group_id", "policy", "status", "reward", "n_completions", "created_at"]
-    _table([{c: r.get(c) for c in cols if c in r or c in cols} for r in rows], cols)
+    found, _ = _read(db, lambda e: queries.list_runs(e, status=status.value if status else None, limit=limit))
+    cols = ["id", "group_id", "policy", "status", "reward", "n_completions", "trained_step", "created_at"]
+    print_table(cols, [[r.get(c) for c in cols] for r in found])
 
 
-@app.command()
-def sql(
-    query: Annotated[str, typer.Argument(help="the SQL to run (read-only)")],
-    db: DbOpt = None,
-    json_lines: Annotated[bool, typer.Option("--json", help="print JSON lines instead of a table")] = False,
-    timeout: Annotated[
-        float | None, typer.Option(help="seconds a statement may run [env RLPROXY_SQL_TIMEOUT, default 30]")
-    ] = None,
+@runs_app.command("show", epilog=ENV_NOTE)
+def runs_show(
+    run_id: Annotated[str, typer.Argument(metavar="ID", help="the run's X-Run-Id")],
+    db: DbOpt = field_default("db_url"),
+    json_out: Annotated[bool, typer.Option("--json", help="the run as one JSON object")] = False,
 ) -> None:
-    """Run read-only SQL against the store (writes fail: the database is opened read-only)."""
-    settings = make_settings(db_url=db, sql_timeout=timeout)
+    """One run in full: its conversation, tool calls, token counts per completion, reward, status."""
+    from rlproxy.proxy.cli_output import run_lines
+    from rlproxy.storage import queries
 
-    async def execute() -> tuple[list[str], list[tuple]]:
-        from sqlalchemy import text
-
-        from rlproxy.storage import db as dbm
-
-        engine_ = dbm.create_engine(
-            dbm.normalize_url(settings.db_url), readonly=True, statement_timeout_s=settings.sql_timeout
-        )
-        try:
-            async with engine_.connect() as conn:
-                result = await conn.execute(text(query))
-                if not result.returns_rows:
-                    return [], []
-                return list(result.keys()), [tuple(r) for r in result.fetchall()]
-        finally:
-            await engine_.dispose()
-
-    try:
-        cols, rows = asyncio.run(execute())
-    except Exception as exc:  # sqlalchemy errors: a write on a read-only database, bad SQL, ...
-        message = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        squashed = message.replace("-", "").replace(" ", "").lower()
-        if "readonly" in squashed or "attacheddatabases" in squashed:
-            message += " (rlproxy sql opens the database read-only: writes and ATTACH are refused)"
-        elif "interrupted" in squashed or "statementtimeout" in squashed:
-            message += f" (the statement ran past the {settings.sql_timeout:g} s limit: --timeout)"
-        typer.echo(f"error: {message}", err=True)
-        raise typer.Exit(1) from None
-    if json_lines:
+    run = _read(db, lambda e: queries.get_run(e, run_id))
+    if run is None:
+        typer.echo(f"error: no run {run_id!r} in this database (`rlproxy runs` lists them)", err=True)
+        raise typer.Exit(1)
+    if json_out:
         import orjson
 
-        for row in rows:
-            sys.stdout.buffer.write(orjson.dumps(dict(zip(cols, row, strict=True)), default=str) + b"\n")
-        sys.stdout.flush()
+        sys.stdout.buffer.write(orjson.dumps(run, default=str, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+        return
+    for line in run_lines(run):
+        typer.echo(line)
+
+
+@app.command(epilog=ENV_NOTE)
+def steps(
+    db: DbOpt = field_default("db_url"),
+    policy: Annotated[str | None, typer.Option(help="only this policy's steps")] = None,
+    limit: LimitOpt = 20,
+    json_out: Annotated[bool, typer.Option("--json", help="JSON lines, every column")] = False,
+) -> None:
+    """The newest training steps: reward mean ± std, validation reward (best: the checkpoint kept for it),
+    loss, KL, clip fractions, grad norm, lag, tokens/s."""
+    from rlproxy.proxy import cli_output
+    from rlproxy.storage import queries
+
+    rows = _read(db, lambda e: queries.step_table(e, policy=policy, limit=limit))
+    if json_out:
+        cols = list(rows[0]) if rows else []
+        cli_output.print_json_lines(cols, [[r.get(c) for c in cols] for r in rows])
     else:
-        _table([dict(zip(cols, row, strict=True)) for row in rows], cols)
+        cli_output.print_steps(rows)
 
 
-def _table(rows: list[dict], cols: list[str]) -> None:
-    """Print rows as a plain aligned table (long cells cut at 60 chars)."""
+def _query_text(query: str | None, file: Path | None) -> str:
+    if file is not None:
+        if query is not None:
+            raise typer.BadParameter("give the query or --file, not both")
+        return file.read_text()
+    if query is None or query == "-":
+        if query is None and sys.stdin.isatty():
+            raise typer.BadParameter("give a query, `-` (or a pipe) for stdin, or --file")
+        return sys.stdin.read()
+    return query
 
-    def cell(v: Any) -> str:
-        s = "" if v is None else str(v)
-        return s if len(s) <= 60 else s[:57] + "..."
 
-    cells = [[cell(r.get(c)) for c in cols] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
-    typer.echo("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip())
-    typer.echo("  ".join("-" * w for w in widths))
-    for row in cells:
-        typer.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-    typer.echo(f"({len(rows)} rows)")
+@app.command(epilog=ENV_NOTE)
+def sql(
+    query: Annotated[
+        str | None, typer.Argument(help="the SQL to run (read-only); `-` or none: read it from stdin")
+    ] = None,
+    db: DbOpt = field_default("db_url"),
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="read the SQL from this file")] = None,
+    json_lines: Annotated[
+        bool, typer.Option("--json", help="JSON lines; JSON columns nested, numbers exact")
+    ] = False,
+    csv_out: Annotated[bool, typer.Option("--csv", help="CSV with a header line")] = False,
+    vertical: Annotated[
+        bool, typer.Option("--vertical", "-x", help="one `column | value` block per row, nothing cut")
+    ] = False,
+    wide: Annotated[bool, typer.Option("--wide", "-w", help="a table whose cells are never cut")] = False,
+    timeout: Annotated[float, setting("sql_timeout", "--timeout", min=0.001)] = field_default("sql_timeout"),
+) -> None:
+    """Run read-only SQL against the store (writes fail: the database is opened read-only).
+
+    Tables cut cells at 60 characters (--wide, -x: never); numbers print as sqlite3 prints them.
+    """
+    from rlproxy.proxy import cli_output
+    from rlproxy.storage import queries
+
+    if sum((json_lines, csv_out, vertical, wide)) > 1:
+        raise typer.BadParameter("pick one of --json, --csv, --vertical, --wide")
+    text = _query_text(query, file)
+    if not text.strip():
+        raise typer.BadParameter("the query is empty")
+    cols, rows = _read(db, lambda e: queries.run_sql(e, text), check=False, timeout=timeout)
+    if json_lines:
+        cli_output.print_json_lines(cols, rows)
+    elif csv_out:
+        cli_output.print_csv(cols, rows)
+    elif vertical:
+        cli_output.print_vertical(cols, rows)
+    else:
+        cli_output.print_table(cols, rows, cut=None if wide else cli_output.CUT)
+
+
+@app.command(epilog=ENV_NOTE)
+def export(
+    fmt: Annotated[
+        Literal["jsonl", "parquet", "hf"],
+        typer.Option("--format", help="jsonl (no extra needed), parquet, or hf (a datasets folder)"),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", metavar="PATH", help="file (jsonl, parquet) or folder (hf) to write")
+    ],
+    where: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SQL", help='SQL condition over the trajectories view, e.g. "reward IS NOT NULL"'
+        ),
+    ] = None,
+    db: DbOpt = field_default("db_url"),
+    force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+) -> None:
+    """Write runs as training data: OpenAI chat messages, reward, token ids and logprobs per call."""
+    import shutil
+
+    from rlproxy.storage import export as exporter
+
+    if out.exists() and not force:
+        raise typer.BadParameter(f"{out} exists (--force replaces it)", param_hint="--out")
+    if out.exists() and out.is_dir() and fmt == "hf":
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = _read(db, lambda e: exporter.write(e, fmt, out, where))
+    typer.echo(f"wrote {n} run{'' if n == 1 else 's'} to {out} ({fmt})")
+
+
+@app.command(epilog=ENV_NOTE)
+def dashboard(
+    db: DbOpt = field_default("db_url"),
+    host: Annotated[str, setting("host")] = field_default("host"),
+    port: Annotated[int, setting("port", min=0, max=65535)] = field_default("port"),
+    admin_key: Annotated[str | None, setting("admin_key", metavar="KEY")] = None,
+    log_level: Annotated[LogLevel, typer.Option(help="log level")] = "warning",
+) -> None:
+    """The dashboard alone, read-only on a database: no model, no trainer, no OpenAI routes."""
+    settings = make_settings(db_url=db, host=host, port=port, admin_key=admin_key, train=False)
+    _read(settings.db_url, lambda e: asyncio.sleep(0))  # a bad --db is one error line, before serving
+    _logging(log_level)
+    _serve(settings, access_log=False, log_level=log_level, readonly=True)
 
 
 @app.command()
 def demo(
-    minutes: Annotated[float, typer.Option(help="stop after this many minutes")] = 10.0,
+    minutes: Annotated[float, typer.Option(min=0.1, help="stop after this many minutes")] = 10.0,
     model: Annotated[str, typer.Option(help="built-in name or model folder")] = "smollm2-135m",
     out_dir: Annotated[Path, typer.Option(help="where the database, plot and summary.json go")] = Path(
         "demo-output"
     ),
     fast: Annotated[bool, typer.Option(help="tiny random model, a few steps (what CI runs)")] = False,
+    task: Annotated[
+        Literal["number", "directory"],
+        typer.Option(help="number: a two-turn game; directory: a tool-using agent (lookups, then an answer)"),
+    ] = "number",
+    backend: Annotated[
+        Backend, typer.Option(help="inference server (vllm: set RLPROXY_VLLM_PYTHON)")
+    ] = "embedded",
+    group_size: Annotated[
+        int | None, typer.Option(min=2, help="episodes per group, one step each; default 8 (--fast: 4)")
+    ] = None,
+    learning_rate: Annotated[
+        float | None, typer.Option(min=0, help="AdamW learning rate; default: serve's (by model size)")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="seed of the trainer and of the agent's sampling")] = 0,
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
-    from rlproxy.demo.run import run_demo
+    from rlproxy.demo.run import TASKS, run_demo
 
     _logging("warning")
-    summary = run_demo(minutes=minutes, model=model, out_dir=out_dir, fast=fast, echo=typer.echo)
-    if not fast and summary.get("last3_mean_reward", 0) - summary.get("first3_mean_reward", 0) < 0.5:
-        typer.echo("The goal (+0.5 mean reward) was not reached in time; see summary.json.", err=True)
+    summary = run_demo(
+        minutes=minutes,
+        model=model,
+        out_dir=out_dir,
+        fast=fast,
+        task=task,
+        backend=backend,
+        group_size=group_size,
+        learning_rate=learning_rate,
+        seed=seed,
+        goal=TASKS[task].GOAL,
+        echo=typer.echo,
+    )
+    goal = TASKS[task].GOAL
+    if not fast and (summary.get("improvement") or 0.0) < goal:
+        typer.echo(f"The goal (+{goal} mean reward) was not reached in time; see summary.json.", err=True)
 
 
-@db_app.command("upgrade")
-def db_upgrade(db: DbOpt = None) -> None:
-    """Apply the Alembic migrations up to head."""
+@db_app.command("upgrade", epilog=ENV_NOTE)
+def db_upgrade(db: DbOpt = field_default("db_url")) -> None:
+    """Apply the Alembic migrations up to head (creates the database if there is none)."""
     from rlproxy.storage import db as dbm
 
-    settings = make_settings(db_url=db)
-    url = dbm.normalize_url(settings.db_url)
+    url = make_settings(db_url=db).db_url
     dbm.upgrade(url)
     typer.echo(f"database at head: {url}")
 
 
-@models_app.command("prepare")
+@models_app.command("prepare", epilog=ENV_NOTE)
 def models_prepare(
-    name: Annotated[str, typer.Argument(help="smollm2-135m or tiny")],
-    cache_dir: Annotated[str | None, typer.Option(help="cache folder [env RLPROXY_CACHE_DIR]")] = None,
+    name: Annotated[Literal["smollm2-135m", "tiny"], typer.Argument(help="the built-in model")],
+    cache_dir: Annotated[str, setting("cache_dir")] = field_default("cache_dir"),
 ) -> None:
     """Prepare a built-in model into the cache (offline)."""
     from rlproxy.inference.models import resolve_model
 
-    try:
-        path = resolve_model(name, cache_dir=cache_dir)
-    except RLProxyError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(path)
+    typer.echo(resolve_model(name, cache_dir=cache_dir))
 
 
 @models_app.command("make-tiny")

@@ -20,9 +20,13 @@ pooled connection the upstream closed is dropped before it is used, and idle one
 `_KEEPALIVE_S`, below the 5 s that uvicorn-based servers (vLLM, the embedded engine) keep an idle
 connection, so a request is not written into a connection the upstream is closing.
 
-Errors: connection failures, protocol errors (malformed status line, oversized headers) and bodies
-cut short become `BackendUnavailable` (502); timeouts `BackendTimeout` (504), raised `from` the
-foreign error with the URL in the message.
+Errors: a connection that could not be opened becomes `BackendUnreachable` (the request was never
+sent: `upstreams.Upstreams` sends it to another replica); other connection failures, protocol
+errors (malformed status line, oversized headers) and bodies cut short become `BackendUnavailable`
+(502); timeouts `BackendTimeout` (504), raised `from` the foreign error with the URL in the message.
+
+Several upstreams (`--upstream` repeated): `upstreams.Upstreams` holds one `Upstream` per replica
+and has the same `post`/`relay`/`aclose`; a single upstream is this class alone, as before.
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from yarl import URL
 
-from rlproxy.errors import BackendError, BackendRedirect, BackendTimeout, BackendUnavailable
+from rlproxy.errors import (
+    BackendError,
+    BackendRedirect,
+    BackendTimeout,
+    BackendUnavailable,
+    BackendUnreachable,
+)
 from rlproxy.proxy import http11
 
 HOP_BY_HOP = frozenset(
@@ -162,9 +172,12 @@ class Upstream:
         )
 
     async def post(
-        self, path: bytes, headers: list, body: bytes, query: bytes, stream: bool
+        self, path: bytes, headers: list, body: bytes, query: bytes, stream: bool, run_id: str | None = None
     ) -> http11.Response:
-        """POST to the upstream; a non-streaming response is read whole (into `.content`)."""
+        """POST to the upstream; a non-streaming response is read whole (into `.content`).
+
+        `run_id` is for `upstreams.Upstreams` (which replica); one upstream has no choice to make.
+        """
         target = self.prefix + path + (b"?" + query if query else b"")
         url = self.base_url + path.decode("latin-1")
         resp = None
@@ -188,6 +201,9 @@ class Upstream:
         """Our error for a foreign one (anything else is returned as it is, to be re-raised)."""
         if isinstance(exc, BackendError):
             return exc
+        if isinstance(exc, http11.ConnectFailed | aiohttp.ClientConnectorError):
+            # nothing was sent: another replica may take it
+            return BackendUnreachable(f"upstream {self.base_url}{path} is unreachable: {exc}")
         if isinstance(exc, TimeoutError):  # aiohttp's timeouts are TimeoutErrors too
             return BackendTimeout(f"upstream {self.base_url}{path} did not answer within {self.timeout:g} s")
         if isinstance(exc, aiohttp.ClientResponseError):  # the parser refused what it got

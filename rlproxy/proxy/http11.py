@@ -38,6 +38,10 @@ _PAUSE_AT = 1 << 20  # stop reading from the upstream while this much body waits
 _NO_BODY = (204, 304)
 
 
+class ConnectFailed(ConnectionError):
+    """No connection could be opened: nothing of the request was sent (safe to send elsewhere)."""
+
+
 class _Stalled(Exception):
     """The upstream sent nothing for the idle timeout in the middle of a body."""
 
@@ -374,7 +378,12 @@ class Pool:
         await self._slots.acquire()
         conn = None
         try:
-            conn = self._pooled() or await self._connect()
+            conn = self._pooled()
+            if conn is None:
+                try:
+                    conn = await self._connect()
+                except OSError as exc:  # refused, unreachable, or the connect timeout (TimeoutError)
+                    raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc!r}") from exc
             conn.idle = False
             conn.transport.write(payload)
             await conn.read_headers()

@@ -1,6 +1,6 @@
 """Request limits that every route gets, as pure ASGI in front of everything else.
 
-- Body size: `max_body_bytes` on every route, `max_reward_body_bytes` on the reward route. A
+- Body size: `max_body_bytes` on every route, `max_reward_body_bytes` on reward and complete. A
   declared Content-Length over the limit is answered 413 before a byte of the body is read; a body
   without one (chunked) is counted as `receive()` hands it over, and the read that passes the limit
   raises `APIError(413)` into the route (whose handler renders it). Either way the connection is
@@ -44,7 +44,7 @@ class Limits:
 
     def limit(self, path: str) -> int:
         """The body limit of `path` in bytes."""
-        if path.endswith("/reward") and "/runs/" in path:
+        if path.endswith(("/reward", "/complete")) and "/runs/" in path:
             return min(self.max_reward_body, self.max_body)
         return self.max_body
 

@@ -3,7 +3,8 @@
 Requests and errors by endpoint and outcome, latency and time-to-first-token histograms, and the
 writer's own figures read at scrape time: rows captured, write errors, dropped records, queue depth
 and bytes, how long the store has been stalled (and whether that makes it unhealthy), the crash
-journal's size and the records it could not take.
+journal's size and the records it could not take. The judge's calls (trainer/judge.py): count by
+outcome (ok, malformed, error), latency, tokens (its cost), and groups scored or failed.
 """
 
 from __future__ import annotations
@@ -93,6 +94,34 @@ class _WriterCollector:
         return out
 
 
+class _UpstreamsCollector:
+    """Each upstream replica's state when Prometheus scrapes (several upstreams only; by index)."""
+
+    def __init__(self) -> None:
+        self.pool = None  # upstreams.Upstreams
+
+    def collect(self):
+        if self.pool is None:
+            return []
+        inflight = GaugeMetricFamily(
+            "rlproxy_upstream_inflight", "requests in flight on each upstream replica", labels=["replica"]
+        )
+        healthy = GaugeMetricFamily(
+            "rlproxy_upstream_healthy",
+            "1 while an upstream replica takes traffic, 0 while it is ejected or being given its adapters",
+            labels=["replica"],
+        )
+        ejections = CounterMetricFamily(
+            "rlproxy_upstream_ejections", "times each upstream replica was ejected", labels=["replica"]
+        )
+        for r in self.pool.snapshot():
+            label = [str(r["replica"])]
+            inflight.add_metric(label, float(r["inflight"]))
+            healthy.add_metric(label, 1.0 if r["state"] == "healthy" else 0.0)
+            ejections.add_metric(label, float(r["ejections"]))
+        return [inflight, healthy, ejections]
+
+
 class Metrics:
     """The proxy's metrics; `observe` is called once per proxied request."""
 
@@ -118,9 +147,35 @@ class Metrics:
         )
         self.errors = Counter("rlproxy_errors", "errors by kind", ["kind"], registry=r)
         self.policy_step = Gauge("rlproxy_policy_step", "step each policy serves", ["policy"], registry=r)
+        # the judge (trainer/judge.py calls judge_call / judge_group through compose.py's wiring)
+        self.judge_calls = Counter(
+            "rlproxy_judge_calls", "judge calls by outcome: ok, malformed, error", ["outcome"], registry=r
+        )
+        self.judge_latency = Histogram(
+            "rlproxy_judge_latency_seconds", "time of one judge call", buckets=_BUCKETS, registry=r
+        )
+        self.judge_tokens = Counter(
+            "rlproxy_judge_tokens",
+            "tokens of judge calls (their cost) by kind: prompt, completion",
+            ["kind"],
+            registry=r,
+        )
+        self.judge_groups = Counter(
+            "rlproxy_judge_groups",
+            "groups the judge scored, or failed (judge_failed)",
+            ["outcome"],
+            registry=r,
+        )
         self._writer = _WriterCollector()
         r.register(self._writer)
         self._children: dict = {}
+
+    def attach_upstreams(self, pool) -> None:
+        """Report each replica of `pool` (an `upstreams.Upstreams`): in flight, healthy, ejections."""
+        if not hasattr(self, "_upstreams"):
+            self._upstreams = _UpstreamsCollector()
+            self.registry.register(self._upstreams)
+        self._upstreams.pool = pool
 
     def attach_writer(self, writer, unhealthy_after: float = 30.0) -> None:
         """Report `writer`'s figures; the store counts as unhealthy after `unhealthy_after` s stalled."""
@@ -142,6 +197,17 @@ class Metrics:
             self.ttft.labels(endpoint).observe(ttft_s)
         if status != "ok":
             self.errors.labels(status).inc()
+
+    def judge_call(self, outcome: str, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
+        """Count one judge call (outcome ok, malformed or error) with its latency and tokens."""
+        self.judge_calls.labels(outcome).inc()
+        self.judge_latency.observe(seconds)
+        self.judge_tokens.labels("prompt").inc(prompt_tokens)
+        self.judge_tokens.labels("completion").inc(completion_tokens)
+
+    def judge_group(self, outcome: str) -> None:
+        """Count one group the judge finished: scored or failed."""
+        self.judge_groups.labels(outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

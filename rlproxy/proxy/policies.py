@@ -8,8 +8,14 @@ that hard-code another model name. Any other name is a 404 here, with a message 
 it, rather than a round trip that the upstream would answer with a less helpful 404.
 
 Steps move forward in three ways: the in-process trainer calls `set_step` after it publishes, a
-poll of `training_steps` picks up steps published by a separate `rlproxy train` process, and on
-start the newest adapter of each policy is loaded into the (possibly fresh) backend again.
+poll of `training_steps` every `policy_poll_interval` seconds picks up steps published by another
+process (`rlproxy train`, or the replica that holds the trainer's lock), and on start the newest
+adapter of each policy is loaded into the (possibly fresh) backend again. The poll loads a new step's
+adapter into this replica's backend before it serves it: an embedded engine is this process's own,
+and loading into a vLLM the trainer already loaded it into is a cheap in-place reload. It reads the
+checkpoint folder the step's row names, so every replica must see the trainer's `checkpoint_dir`
+at the same path (shared storage). An adapter that cannot be loaded is not served: the policy stays
+on its step, and the next poll tries again.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class Policies:
         self.default = base_model
         self.model_map = parse_model_map(model_map)
         self.steps: dict[str, int] = {}
+        self._failed: dict[str, int] = {}  # policy -> step whose adapter failed to load (warned once)
         self._known = {base_model, *self.model_map.values()}
 
     def set_base(self, base_model: str) -> None:
@@ -123,14 +130,41 @@ class Policies:
             self.steps[policy] = step
             logger.info("re-loaded adapter %s@%d from %s", policy, step, path)
 
-    async def poll(self, engine, interval: float = 1.0) -> None:
-        """Forever: pick up steps published by another process (run as a lifespan task)."""
+    async def catch_up(self, latest: dict[str, tuple[int, str]], backend=None) -> None:
+        """Serve the newest step in `latest` of each policy that moved on, once its adapter is loaded
+        into `backend` (None: only flip, the upstream has it already)."""
+        for policy, (step, path) in latest.items():
+            if step <= self.steps.get(policy, 0):
+                continue
+            if backend is not None:
+                try:
+                    await backend.load_adapter(adapter_name(policy, step), path)
+                except (RLProxyError, OSError) as exc:
+                    if self._failed.get(policy) != step:
+                        logger.warning(
+                            "policy %s stays on step %d: cannot load step %d from %s (%s); retrying",
+                            policy,
+                            self.steps.get(policy, 0),
+                            step,
+                            path,
+                            exc,
+                        )
+                    self._failed[policy] = step
+                    continue
+            self._failed.pop(policy, None)
+            if step > self.steps.get(policy, 0):  # the in-process trainer may have flipped it meanwhile
+                logger.info("policy %s now serves step %d (published by another process)", policy, step)
+                self.steps[policy] = step
+
+    async def poll(self, engine, interval: float = 1.0, backend=None) -> None:
+        """Forever, every `interval` seconds: pick up steps published by another process, loading their
+        adapters into `backend` first (run as a lifespan task)."""
         from rlproxy.storage import queries
 
         while True:
             await asyncio.sleep(interval)
             try:
-                self.advance(await queries.latest_adapters(engine))
+                await self.catch_up(await queries.latest_adapters(engine), backend)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a locked or briefly unreachable DB must not end the poll

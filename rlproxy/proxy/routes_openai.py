@@ -10,6 +10,10 @@ stream's just before its last chunk. Every other `/v1/*` path goes through FastA
 untouched, except the engine-management routes (`ENGINE_ONLY`, 403) and upstream redirects (502,
 never relayed). A hot route with a trailing slash (`/v1/chat/completions/`) is captured like the
 plain one. The composition root (`rlproxy/compose.py`) puts `HotPath` in front of FastAPI.
+
+`POST /v1/responses` is a hot route too: the proxy serves the Responses API itself over the
+upstream's chat completions (`proxy/responses.py`): the body is translated to the chat body that is
+forwarded, captured and stored as `request`, and the chat answer is translated back for the client.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rlproxy.errors import APIError, RLProxyError
-from rlproxy.proxy import capture, errors, forward, runkey, validate
+from rlproxy.inference.responses import response_object
+from rlproxy.proxy import capture, errors, forward, responses, runkey, validate
 from rlproxy.proxy.stream import StreamRelay
 from rlproxy.storage.records import CompletionRecord, Endpoint
 
@@ -31,8 +36,13 @@ logger = logging.getLogger(__name__)
 
 # The hot routes: the URL (without its leading slash) -> the endpoint it serves; the upstream
 # is asked on the same path.
-ROUTES = {"v1/chat/completions": Endpoint.CHAT, "v1/completions": Endpoint.COMPLETIONS}
+ROUTES = {
+    "v1/chat/completions": Endpoint.CHAT,
+    "v1/completions": Endpoint.COMPLETIONS,
+    "v1/responses": Endpoint.RESPONSES,
+}
 _UPSTREAM_PATHS = {endpoint: b"/" + route.encode() for route, endpoint in ROUTES.items()}
+_UPSTREAM_PATHS[Endpoint.RESPONSES] = b"/v1/chat/completions"  # served over chat (module doc)
 
 
 class HotPath:
@@ -72,23 +82,33 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     """Forward one completion request and capture it (see the module doc)."""
     started = time.perf_counter()
     created_at = datetime.now(UTC)
-    run_id = group_id = declared = None
+    run_id = group_id = declared = split = None
     for k, v in scope["headers"]:
         if k == b"x-run-id":
             run_id = v.decode("latin-1")
         elif k == b"x-group-id":
             group_id = v.decode("latin-1")
+        elif k == b"x-split":
+            split = v.decode("latin-1")
         elif k == b"content-length":
             declared = v
     if path_run_id is not None:
         run_id = path_run_id
     raw = await validate.read_body(receive, declared, px.settings.max_body_bytes)
     body = validate.parse_body(raw, px.settings.max_json_depth)
-    validate.check(body, endpoint)
+    call = None
+    if endpoint == Endpoint.RESPONSES:
+        call = await responses.prepare(px, body)
+        if run_id is None:  # a chained call without a run key stays in its previous response's run
+            run_id = call.run_id
+        body = call.chat  # from here on the chat form: forwarded, hashed, stored
+    validate.check(body, Endpoint.CHAT if call is not None else endpoint)
     if run_id is not None:
         runkey.check_id(run_id)
     if group_id is not None:
         runkey.check_id(group_id, "group id")
+    if split is not None:
+        runkey.check_split(split)
     if not px.gate.is_open:
         await px.gate.wait()
     if px.writer.full:  # the store is behind: wait at its pace (bounded, then 503 + Retry-After)
@@ -97,11 +117,12 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
 
     upstream_body = dict(body)
     upstream_body["model"] = upstream_model
-    inj = capture.inject(upstream_body, endpoint)
+    inj = capture.inject(upstream_body, Endpoint.CHAT if call is not None else endpoint)
     stream = upstream_body.get("stream") is True
     rec = CompletionRecord(
         run_id=run_id,
         group_id=group_id,
+        split=split,
         default_group=runkey.default_group(policy, body) if run_id is not None and group_id is None else None,
         policy=policy,
         adapter=upstream_model,
@@ -110,26 +131,28 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         stream=stream,
         request=body,
         created_at=created_at,
+        client_request=call.body if call is not None else None,
     )
     if run_id is not None:
         px.inflight.enter(run_id)
     handed_off = False
     try:
         headers = forward.request_headers(scope["headers"], px.drop_headers, identity=True)
+        body_out = orjson.dumps(upstream_body)
         resp = await px.upstream.post(
-            _UPSTREAM_PATHS[endpoint], headers, orjson.dumps(upstream_body), scope["query_string"], stream
+            _UPSTREAM_PATHS[endpoint], headers, body_out, scope["query_string"], stream, run_id
         )
         step_header = (b"x-policy-step", str(step).encode())
         if stream:
             ctype = resp.header(b"content-type") or b""
             if resp.status_code == 200 and ctype.startswith(b"text/event-stream"):
                 handed_off = True
-                return _relay(px, resp, rec, inj, started, step_header)
+                return _relay(px, resp, rec, inj, started, step_header, call, upstream_model)
             try:
                 resp.content = await resp.read()
             finally:
                 resp.close()
-        return _answer(px, resp, rec, inj, started, step_header)
+        return _answer(px, resp, rec, inj, started, step_header, call)
     except RLProxyError as exc:
         rec.status = "error"
         rec.status_code = exc.status
@@ -143,8 +166,10 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
             px.inflight.leave(run_id)
 
 
-def _answer(px, resp, rec: CompletionRecord, inj: capture.Injected, started: float, step_header) -> Response:
-    """A non-streaming answer: capture, strip, submit, respond."""
+def _answer(
+    px, resp, rec: CompletionRecord, inj: capture.Injected, started: float, step_header, call=None
+) -> Response:
+    """A non-streaming answer: capture, strip, submit, respond (a Responses call: translated back)."""
     content = resp.content
     rec.status_code = resp.status_code
     parsed = None
@@ -153,8 +178,14 @@ def _answer(px, resp, rec: CompletionRecord, inj: capture.Injected, started: flo
     except orjson.JSONDecodeError:
         pass
     if resp.status_code == 200 and isinstance(parsed, dict):
-        cap = capture.from_response(parsed, rec.endpoint, inj)
-        if inj.any:
+        cap = capture.from_response(parsed, Endpoint.CHAT if call is not None else rec.endpoint, inj)
+        if call is not None:
+            rec.client_response = response_object(
+                call.body, parsed, response_id=call.response_id, created_at=call.created_at
+            )
+            rec.response_id = call.response_id if call.store else None
+            content = orjson.dumps(rec.client_response)
+        elif inj.any:
             content = orjson.dumps(parsed)
         _fill(rec, cap)
         rec.status = "ok"
@@ -187,10 +218,18 @@ def _fill(rec: CompletionRecord, cap: capture.Captured) -> None:
 
 
 def _relay(
-    px, resp, rec: CompletionRecord, inj: capture.Injected, started: float, step_header
+    px,
+    resp,
+    rec: CompletionRecord,
+    inj: capture.Injected,
+    started: float,
+    step_header,
+    call: responses.Call | None = None,
+    model: str = "",
 ) -> StreamRelay:
     """A streaming answer: relay while assembling; store when it ends (however it ends)."""
-    assembler = capture.StreamAssembler(rec.endpoint, inj)
+    assembler = capture.StreamAssembler(Endpoint.CHAT if call is not None else rec.endpoint, inj)
+    translate = responses.EventStream(call, model) if call is not None else None
 
     def done(status: str, error: str | None, ttft: float | None, status_code: int) -> None:
         try:
@@ -202,6 +241,9 @@ def _relay(
             )
             rec.latency_ms = (time.perf_counter() - started) * 1000.0
             rec.ttft_ms = ttft * 1000.0 if ttft is not None else None
+            if translate is not None:
+                rec.client_response = translate.response
+                rec.response_id = call.response_id if call.store and status == "ok" else None
             px.writer.submit(rec)
             px.metrics.observe(rec.endpoint, status, rec.latency_ms / 1000.0, ttft)
         finally:
@@ -210,7 +252,7 @@ def _relay(
 
     headers = forward.response_headers(resp.headers)
     headers.append(step_header)
-    return StreamRelay(resp, headers, assembler, inj, started, done)
+    return StreamRelay(resp, headers, assembler, inj, started, done, translate)
 
 
 # vLLM's engine-management routes under /v1 (0.32: the other ones, /sleep, /collective_rpc,
@@ -228,6 +270,8 @@ async def _pass(request: Request, path: str) -> Response:
             code="engine_route_forbidden",
         )
     px = request.app.state.proxy
+    if request.method == "GET" and path.startswith("responses/") and path.count("/") == 1:
+        return await responses.retrieve(px, path[len("responses/") :])  # served from the store
     return await px.upstream.relay(request, "/v1/" + path, px.drop_headers)
 
 

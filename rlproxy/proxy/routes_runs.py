@@ -6,6 +6,22 @@ writer commits the run's completions before the reward. Outcomes: stored 200, th
 200 (`"stored": false`), unknown run 404, a different reward 409, a missing or non-finite reward
 422, a stream of the run still running or a store that cannot commit in time 503 + Retry-After
 (retryable: the reward was not stored, or a retry finds the same one).
+
+Apps whose base URL carries the run (`OPENAI_BASE_URL=http://host/runs/{run_id}/v1`) post the same
+reward at `$OPENAI_BASE_URL/reward` ("this run": `POST /runs/{run_id}/v1/reward`) or at
+`$OPENAI_BASE_URL/runs/{run_id}/reward` (`POST /runs/{run_id}/v1/runs/{run_id}/reward`; two
+different ids are a 400 `run_id_mismatch`). Neither is ever relayed to the upstream.
+
+Validation runs (README: Validation runs): `"split": "val"` in a reward body (or `X-Split: val` on the
+run's first request) makes the run `validated` instead of `completed`: stored, measured per adapter
+step, never trained. A body contradicting the run's split is a 409 `split_conflict`.
+
+Judge rewards (README: Judge rewards): `POST /v1/runs/{run_id}/complete` with an optional body
+`{"rubric": str?, "metadata": {...}?}` (or a reward body `{"judge": true, "rubric"?: ...}`) ends a run
+without a number; the judge (trainer/judge.py) scores its group when it is ready. The same outcomes
+as a reward, and: completing again 200 (`"stored": false`), a run with an app reward 409, a reward
+for a run waiting for the judge 409, the judge off (`RLPROXY_JUDGE=off`, no policy set) 409
+`judge_off`. Path forms: `/runs/{run_id}/v1/complete`, `/runs/{run_id}/v1/runs/{run_id}/complete`.
 """
 
 from __future__ import annotations
@@ -55,18 +71,110 @@ def parse_reward(body: dict) -> tuple[float, dict | None, dict | None]:
     return reward, metrics, metadata
 
 
+def parse_split(body: dict) -> str | None:
+    """The body's `"split"`: "val" makes the run a validation run (never trained), "train" asserts it is
+    not one (409 split_conflict if it is), absent keeps what its first request's X-Split said; 422 else."""
+    split = body.get("split")
+    if split is not None and split not in runkey.SPLITS:
+        raise APIError(422, 'split: must be "train" or "val"', param="split", code="invalid_value")
+    return split
+
+
+MAX_RUBRIC_CHARS = 8000  # a rubric longer than this is a 422
+
+
+def parse_complete(body: dict) -> tuple[str | None, dict | None]:
+    """(rubric, metadata) of a complete body (or a reward body with `"judge": true`); 422 on bad types."""
+    rubric = body.get("rubric")
+    if rubric is not None and (not isinstance(rubric, str) or not rubric.strip()):
+        raise APIError(422, "rubric: must be a non-empty string", param="rubric", code="invalid_type")
+    if rubric is not None and len(rubric) > MAX_RUBRIC_CHARS:
+        raise APIError(
+            422, f"rubric: at most {MAX_RUBRIC_CHARS} characters", param="rubric", code="invalid_value"
+        )
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise APIError(422, "metadata: must be an object", param="metadata", code="invalid_type")
+    return rubric, metadata
+
+
+@router.post("/v1/runs/{run_id}/complete")
+async def post_complete(request: Request, run_id: str) -> Response:
+    """End a run without a reward: the judge scores it with its group (README: Judge rewards)."""
+    return await _reward(request, runkey.check_id(run_id), judge=True)
+
+
+@router.post("/runs/{run_id}/v1/complete")
+async def post_path_complete(request: Request, run_id: str) -> Response:
+    """ "This run" completed for the judge, for apps whose base URL is `/runs/{run_id}/v1`."""
+    return await _reward(request, runkey.check_id(run_id), judge=True)
+
+
+@router.post("/runs/{run_id}/v1/runs/{named}/complete")
+async def post_path_named_complete(request: Request, run_id: str, named: str) -> Response:
+    """`$OPENAI_BASE_URL/runs/{id}/complete` under a path-form base URL: the ids must agree (else 400)."""
+    return await _reward(request, _same_run(run_id, named, "complete"), judge=True)
+
+
 @router.post("/v1/runs/{run_id}/reward")
 async def post_reward(request: Request, run_id: str) -> Response:
     """Store the reward of a finished run."""
-    px = request.app.state.proxy
+    return await _reward(request, runkey.check_id(run_id))
+
+
+@router.post("/runs/{run_id}/v1/reward")
+async def post_path_reward(request: Request, run_id: str) -> Response:
+    """The reward of "this run" for apps whose base URL is `/runs/{run_id}/v1`: `$OPENAI_BASE_URL/reward`."""
+    return await _reward(request, runkey.check_id(run_id))
+
+
+@router.post("/runs/{run_id}/v1/runs/{named}/reward")
+async def post_path_named_reward(request: Request, run_id: str, named: str) -> Response:
+    """`$OPENAI_BASE_URL/runs/{id}/reward` under a path-form base URL: the ids must agree (else 400)."""
+    return await _reward(request, _same_run(run_id, named, "reward"))
+
+
+def _same_run(run_id: str, named: str, action: str) -> str:
     runkey.check_id(run_id)
+    runkey.check_id(named)
+    if named != run_id:
+        raise APIError(
+            400,
+            f"the base URL names run {run_id!r} but the {action} names run {named!r}: post to "
+            f"/runs/{run_id}/v1/{action} (this run) or /v1/runs/{named}/{action}",
+            param="run_id",
+            code="run_id_mismatch",
+        )
+    return run_id
+
+
+async def _reward(request: Request, run_id: str, judge: bool = False) -> Response:
+    px = request.app.state.proxy
     # orjson rejects NaN/Infinity literals as invalid JSON; accept them so they get the 422 they deserve
     declared = request.headers.get("content-length")
     raw = await validate.read_body(
         request.receive, declared.encode() if declared else None, px.settings.max_body_bytes
     )
-    body = validate.parse_body(raw, px.settings.max_json_depth, non_finite=True)
-    reward, metrics, metadata = parse_reward(body)
+    body = (
+        {}
+        if judge and not raw.strip()
+        else validate.parse_body(raw, px.settings.max_json_depth, non_finite=True)
+    )
+    rubric = None
+    split = parse_split(body)
+    if judge or body.get("judge") is True:
+        if "reward" in body and body["reward"] is not None:
+            raise APIError(422, "reward: a run completed for the judge has no reward", param="reward")
+        if px.settings.judge == "off" and not px.settings.judge_policies:
+            raise APIError(
+                409,
+                "the judge is off (RLPROXY_JUDGE=off): post a reward, or set RLPROXY_JUDGE=missing",
+                code="judge_off",
+            )
+        reward, metrics = None, None
+        rubric, metadata = parse_complete(body)
+    else:
+        reward, metrics, metadata = parse_reward(body)
     # Acknowledged only once the run's completions are committed: a completion still streaming or a
     # store that cannot commit within the bound is a 503 with Retry-After, never a late 200.
     bound = px.settings.store_wait_timeout
@@ -78,7 +186,11 @@ async def post_reward(request: Request, run_id: str) -> Response:
             retry_after=1.0,
         )
     remaining = max(0.05, deadline - time.monotonic())
-    stored = await px.writer.reward(run_id, reward, metrics, metadata, timeout=remaining)
+    stored = await px.writer.reward(
+        run_id, reward, metrics, metadata, timeout=remaining, rubric=rubric, split=split
+    )
+    if reward is None:
+        return _json({"run_id": run_id, "reward": None, "judge": True, "stored": stored})
     return _json({"run_id": run_id, "reward": reward, "stored": stored})
 
 
@@ -107,11 +219,14 @@ async def list_runs(
 
 @router.get("/v1/runs/stats")
 async def run_stats(request: Request) -> Response:
-    """Runs per status (the dashboard's counters)."""
+    """Runs per status (the dashboard's counters), and a notice when most rewarded runs are ungrouped."""
     from rlproxy.storage import queries
+    from rlproxy.storage.training import singleton_notice
 
     counts = await queries.run_status_counts(request.app.state.proxy.engine)
-    return _json({"object": "run_stats", "by_status": counts, "total": sum(counts.values())})
+    notice = singleton_notice(counts)  # None, or what to set when every task looks unique
+    total = sum(counts.values())
+    return _json({"object": "run_stats", "by_status": counts, "total": total, "notice": notice})
 
 
 @router.get("/v1/runs/{run_id}")
@@ -144,8 +259,9 @@ async def healthz(request: Request) -> Response:
     a commit (a locked or unreachable database); `rlproxy_store_healthy` says the same on /metrics.
     """
     px = request.app.state.proxy
+    replicas = getattr(px.upstream, "snapshot", None)  # several upstreams: the pool knows each one
     try:
-        ok = await px.backend.health()
+        ok = px.upstream.healthy() if replicas is not None else await px.backend.health()
     except Exception:
         ok = False
     writer = px.writer
@@ -164,6 +280,8 @@ async def healthz(request: Request) -> Response:
             "dropped": writer.dropped,
         },
     }
+    if replicas is not None:  # by index (the order of --upstream), never by address
+        body["upstreams"] = replicas()
     return _json(body, 200 if ok and store_ok else 503)
 
 

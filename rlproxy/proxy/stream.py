@@ -12,6 +12,11 @@ stored as cut, never as `ok`: an upstream that drops the connection or sends not
 `upstream_idle_timeout` is `error` (502/504) and the client's response is ended without its last
 chunk (the connection is closed, so the client can tell it from a clean end); a relay cancelled by
 the proxy's shutdown is `cancelled` (503) with the reason.
+
+With `translate` (the Responses API, `proxy/responses.EventStream`) the client gets other events than
+the upstream sends: every chat chunk is still folded into the assembler, and what goes out is the
+Responses events it makes, opened by response.created/in_progress and closed by response.completed
+(in the last write, after the store report) or, when the upstream breaks, response.failed.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import orjson
 from starlette.responses import Response
@@ -27,6 +33,9 @@ from starlette.responses import Response
 from rlproxy.errors import BackendError
 from rlproxy.proxy import http11
 from rlproxy.proxy.capture import Injected, StreamAssembler, strip
+
+if TYPE_CHECKING:
+    from rlproxy.proxy.responses import EventStream
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +54,10 @@ class StreamRelay(Response):
         inj: Injected,
         started: float,
         done: Done,
+        translate: EventStream | None = None,
     ) -> None:
         self.upstream = upstream
+        self.translate = translate
         self.status_code = upstream.status_code
         self.background = None
         self.raw_headers = headers
@@ -90,6 +101,8 @@ class StreamRelay(Response):
                     "headers": self.raw_headers,
                 }
             )
+            if self.translate is not None:
+                await send({"type": "http.response.body", "body": self.translate.start(), "more_body": True})
             await self._relay(send)
         except asyncio.CancelledError:
             if not state["disconnected"]:  # not the client: the proxy is shutting down
@@ -104,6 +117,13 @@ class StreamRelay(Response):
             status, code = "error", exc.status
             self.error = f"upstream stream broke: {exc}"
             logger.warning("%s", self.error)
+            if self.translate is not None:  # the Responses API ends a broken stream with response.failed
+                body = self.translate.fail(self.error)
+                self._report(status, code)
+                try:
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
+                except OSError:
+                    pass
         except OSError:  # the server noticed the client's disconnect on write first
             status, code = "cancelled", 499
         finally:
@@ -115,7 +135,7 @@ class StreamRelay(Response):
     async def _relay(self, send) -> None:
         """Relay until the upstream's body ends; the last write also ends the response (one syscall)."""
         buf = b""
-        rewrite = self.inj.any
+        rewrite = self.inj.any or self.translate is not None
         upstream = self.upstream
         while True:
             data = await upstream.next_chunk()  # BackendError if the upstream drops or stalls
@@ -131,6 +151,8 @@ class StreamRelay(Response):
                 out.append(self._event(event, rewrite))
             last = upstream.finished and not buf.strip()
             body = b"".join(out) if rewrite else data
+            if last and self.translate is not None:
+                body += self.translate.end()
             if last:  # journaled before the client can have the whole stream (see storage/journal.py)
                 self._report("ok", upstream.status_code)
             if body or last:
@@ -138,12 +160,15 @@ class StreamRelay(Response):
             if last:
                 return
         tail = self._event(buf, rewrite) if buf.strip() else b""  # a last event without its blank line
+        if self.translate is not None:
+            tail += self.translate.end()
         self._report("ok", upstream.status_code)
         await send({"type": "http.response.body", "body": tail if rewrite else b"", "more_body": False})
 
     def _event(self, event: bytes, rewrite: bool) -> bytes:
         """Fold one SSE event into the assembler; the bytes to send for it (when rewriting)."""
         lines = event.split(b"\n")
+        translated = b""
         for i, line in enumerate(lines):
             if not line.startswith(b"data:"):
                 continue
@@ -161,11 +186,15 @@ class StreamRelay(Response):
             self.assembler.feed(chunk)
             if self.ttft is None and self.assembler.got_token:
                 self.ttft = time.perf_counter() - self.started
-            if rewrite:
+            if self.translate is not None:
+                translated += self.translate.chunk(chunk)
+            elif rewrite:
                 strip(chunk, self.inj)
                 if _empty(chunk):
                     return b""
                 lines[i] = b"data: " + orjson.dumps(chunk)
+        if self.translate is not None:
+            return translated
         return b"\n".join(lines) + b"\n\n" if rewrite else b""
 
 

@@ -24,11 +24,28 @@ class RewardConflict(StorageError):
     type = "invalid_request_error"
     code = "conflict"
 
-    def __init__(self, run_id: str, existing: float | None, new: float) -> None:
-        super().__init__(f"run {run_id!r} already has reward {existing!r}; refusing {new!r}")
+    def __init__(self, run_id: str, existing: float | None, new: float | None) -> None:
+        # None: the judge's reward (asked for, or waiting for it)
+        has = "is waiting for the judge's reward" if existing is None else f"already has reward {existing!r}"
+        wants = "a judge request" if new is None else repr(new)
+        super().__init__(f"run {run_id!r} {has}; refusing {wants}")
         self.run_id = run_id
         self.existing = existing
         self.new = new
+
+
+class SplitConflict(StorageError):
+    """A reward that contradicts the run's split: `"split": "train"` for a validation run, `"split":
+    "val"` for a run already rewarded as a training run, or a validation run completed for the judge
+    (val runs need a number: the judge scores training groups). The run stays as it was."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "split_conflict"
+
+    def __init__(self, run_id: str, message: str) -> None:
+        super().__init__(f"run {run_id!r} {message}")
+        self.run_id = run_id
 
 
 class StoreUnavailable(StorageError):
@@ -48,3 +65,12 @@ class StepConflict(StorageError):
 
     The trainer's own outcome (never an HTTP answer): it discards the step's weights.
     """
+
+
+class NotAStore(StorageError):
+    """A database URL or path that does not hold an rlproxy store: no file there, a file that is not
+    a database, an unreachable server, or a database without rlproxy's tables (raised by readers
+    such as the CLI before they query; `rlproxy db upgrade` creates a store)."""
+
+    status = 503
+    code = "store_unavailable"

@@ -36,6 +36,8 @@ class RunStatus(enum.StrEnum):
     skipped = "skipped"  # its group had zero reward variance: no gradient, never trained
     failed = "failed"  # unusable for training (e.g. no completion with tokens)
     expired = "expired"  # never rewarded within the expiry time
+    ungrouped = "ungrouped"  # rewarded, but alone in its group past group_timeout (status_reason says why)
+    validated = "validated"  # a validation run (split val), rewarded: measured, never trained
 
 
 class Run(Base):
@@ -59,10 +61,41 @@ class Run(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), comment="when rewarded")
     trained_step: Mapped[int | None] = mapped_column(Integer, comment="training_steps.step that used it")
+    status_reason: Mapped[str | None] = mapped_column(
+        String(32),
+        comment="why the trainer set its status: no_sibling, zero_variance, stale, no_usable_completion, "
+        "nonfinite (see storage/training.py)",
+    )
+    # judge rewards (migration 0006; trainer/judge.py)
+    reward_source: Mapped[str | None] = mapped_column(
+        String(16), comment="app or judge (NULL reward: waiting for the judge)"
+    )
+    judge_explanation: Mapped[str | None] = mapped_column(
+        Text, comment="the judge's short reason for its score"
+    )
+    judge_rubric: Mapped[str | None] = mapped_column(
+        Text, comment="rubric named when the run was completed (NULL: the policy's)"
+    )
+    # validation runs (migration 0008; storage/validation.py)
+    split: Mapped[str] = mapped_column(
+        String(8),
+        default="train",
+        server_default="train",
+        comment="train, or val: a validation run, served and stored but never trained",
+    )
+    # several writers (migration 0009; storage/rows.py)
+    next_seq: Mapped[int] = mapped_column(
+        Integer,
+        default=0,
+        server_default="0",
+        comment="seq the run's next completion gets (the writers' counter, see storage/rows.py)",
+    )
 
     __table_args__ = (
         Index("ix_runs_status_group", "status", "group_id"),
         Index("ix_runs_created_at", "created_at", "id"),  # newest-first listing with a stable cursor
+        # the trainer's poll: oldest-first runs of one status, never a scan of all runs
+        Index("ix_runs_status_completed", "status", "completed_at", "id"),
     )
 
 
@@ -104,10 +137,20 @@ class Completion(Base):
     capture_id: Mapped[str | None] = mapped_column(
         String(64), comment="unique id the proxy gave the record (its crash-journal replay stores it once)"
     )
+    response_id: Mapped[str | None] = mapped_column(
+        String(64), comment="Responses API: id of the response object; NULL if store: false"
+    )
+    client_request: Mapped[dict[str, Any] | None] = mapped_column(
+        comment="Responses API: the request body as the client sent it"
+    )
+    client_response: Mapped[dict[str, Any] | None] = mapped_column(
+        comment="Responses API: the response object the client received"
+    )
 
     __table_args__ = (
         UniqueConstraint("run_id", "seq", name="uq_completions_run_seq"),
         Index("ux_completions_capture_id", "capture_id", unique=True),
+        Index("ux_completions_response_id", "response_id", unique=True),
     )
 
 
@@ -131,5 +174,56 @@ class TrainingStep(Base):
         comment="loss/, kl/, clip/, reward/, perf/ numbers"
     )
     config: Mapped[dict[str, Any] | None] = mapped_column(comment="resolved trainer settings of this step")
+    # the headline numbers of `metrics` as columns (migration 0005; rlproxy steps and the dashboard)
+    reward_std: Mapped[float | None] = mapped_column(Float, comment="std of the step's run rewards")
+    zero_variance_frac: Mapped[float | None] = mapped_column(
+        Float, comment="groups with equal rewards / groups seen since the last step (skipped too)"
+    )
+    kl: Mapped[float | None] = mapped_column(
+        Float, comment="per token: k3 to the base when beta > 0, else approx KL to the sampler"
+    )
+    clip_frac_low: Mapped[float | None] = mapped_column(
+        Float, comment="fraction of tokens clipped at 1 - epsilon (A < 0)"
+    )
+    clip_frac_high: Mapped[float | None] = mapped_column(
+        Float, comment="fraction of tokens clipped at 1 + epsilon_high (A > 0)"
+    )
+    entropy: Mapped[float | None] = mapped_column(
+        Float, comment="mean entropy of the policy at the sampled positions, nats"
+    )
+    completion_len_mean: Mapped[float | None] = mapped_column(
+        Float, comment="mean sampled tokens per trained completion"
+    )
+    policy_lag_mean: Mapped[float | None] = mapped_column(
+        Float, comment="mean adapter steps between sampling and training"
+    )
+    tokens_per_s: Mapped[float | None] = mapped_column(
+        Float, comment="prompt + completion tokens trained per second"
+    )
+    grad_norm: Mapped[float | None] = mapped_column(Float, comment="global gradient norm before clipping")
+    kind: Mapped[str] = mapped_column(
+        String(16), default="grpo", server_default="grpo", comment="grpo, or sft for supervised steps"
+    )  # also fork / init: step 1 of a policy started from another's step or a LoRA folder (PolicyOrigin)
+    # validation (migration 0008; storage/validation.py)
+    val_reward: Mapped[float | None] = mapped_column(
+        Float, comment="mean reward of the val runs served by step - 1 (at the commit)"
+    )
+    val_runs: Mapped[int | None] = mapped_column(Integer, comment="how many val runs val_reward averages")
 
     __table_args__ = (UniqueConstraint("policy", "step", name="uq_training_steps_policy_step"),)
+
+
+class PolicyOrigin(Base):
+    """How a policy started (migration 0007): forked from `parent@parent_step`, or from the LoRA folder
+    `init_adapter`. Its step 1 (`training_steps.kind` fork / init) is that adapter; a policy that
+    started from a fresh adapter has no row."""
+
+    __tablename__ = "policies"
+
+    name: Mapped[str] = mapped_column(String(256), primary_key=True, comment="the policy")
+    parent: Mapped[str | None] = mapped_column(String(256), comment="policy it was forked from")
+    parent_step: Mapped[int | None] = mapped_column(Integer, comment="step of parent it was forked from")
+    init_adapter: Mapped[str | None] = mapped_column(
+        Text, comment="LoRA folder it started from (--init-adapter)"
+    )
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

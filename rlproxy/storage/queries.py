@@ -12,6 +12,7 @@ import binascii
 import logging
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -159,6 +160,21 @@ async def latest_adapters(engine: AsyncEngine) -> dict[str, tuple[int, str]]:
         return {r.policy: (int(r.step), r.adapter_path) for r in (await conn.execute(q)).all()}
 
 
+async def stored_response(engine: AsyncEngine, response_id: str) -> dict[str, Any] | None:
+    """The stored Responses call with this `response_id`: its `run_id`, `status`, chat-form `request`
+    and `response`, and the `client_response` the client got; None when no stored response has that id."""
+    q = select(
+        COMPLETIONS.c.run_id,
+        COMPLETIONS.c.status,
+        COMPLETIONS.c.request,
+        COMPLETIONS.c.response,
+        COMPLETIONS.c.client_response,
+    )
+    async with engine.connect() as conn:
+        row = (await conn.execute(q.where(COMPLETIONS.c.response_id == response_id))).first()
+    return dict(row._mapping) if row is not None else None
+
+
 async def run_status_counts(engine: AsyncEngine) -> dict[str, int]:
     """Number of runs per status; every status is present (0 when none)."""
     async with engine.connect() as conn:
@@ -190,3 +206,140 @@ async def expire_runs(engine: AsyncEngine, older_than_s: float) -> int:
     if n:
         log.info("expired %d runs in %.1f ms", n, (time.monotonic() - t0) * 1000)
     return int(n or 0)
+
+
+# --- read-only access for the CLI and the read-only dashboard -------------------------------------
+
+# The per-step metric columns of migration 0005, and where older rows (or a store before 0005) keep
+# the same number in the step's `metrics` JSON.
+STEP_METRICS: dict[str, tuple[str, ...]] = {
+    "reward_std": ("reward/std",),
+    "zero_variance_frac": ("reward/frac_zero_std",),
+    "kl": ("kl/ref", "kl/approx"),
+    "clip_frac_low": ("clip/low_frac",),
+    "clip_frac_high": ("clip/high_frac",),
+    "entropy": ("entropy/mean",),
+    "completion_len_mean": ("perf/completion_len_mean",),
+    "policy_lag_mean": ("perf/policy_lag_mean",),
+    "tokens_per_s": ("perf/tokens_per_s",),
+    "grad_norm": ("loss/grad_norm",),
+}
+
+
+def _shown(url: str) -> str:
+    """The store as a user names it: a SQLite file's path, else the URL without its password."""
+    from sqlalchemy.engine import make_url
+
+    from rlproxy.storage.db import normalize_url, sqlite_path
+
+    try:
+        u = make_url(normalize_url(url))
+        if u.get_backend_name() == "sqlite":
+            return sqlite_path(url) or url
+        return u.render_as_string(hide_password=True)
+    except Exception:  # a URL SQLAlchemy cannot parse: show it as given
+        return url
+
+
+def _first_line(exc: BaseException) -> str:
+    text_ = str(getattr(exc, "orig", None) or exc).strip()
+    return text_.splitlines()[0] if text_ else type(exc).__name__
+
+
+async def open_readonly(
+    url: str, *, statement_timeout_s: float | None = None, check: bool = True
+) -> AsyncEngine:
+    """A read-only engine on the store at `url`, checked to be an rlproxy store (`check=False`: any
+    database, e.g. for `rlproxy sql`). Raises NotAStore with a sentence saying what is wrong."""
+    from rlproxy.storage.db import create_engine, is_sqlite, sqlite_path
+    from rlproxy.storage.errors import NotAStore
+
+    shown = _shown(url)
+    path = sqlite_path(url) if is_sqlite(url) else None
+    if path is not None and Path(path).is_dir():
+        raise NotAStore(f"{shown} is a folder, not a database file")
+    try:
+        engine = create_engine(url, readonly=True, statement_timeout_s=statement_timeout_s)
+    except FileNotFoundError:
+        raise NotAStore(
+            f"no database at {shown} (`rlproxy db upgrade --db ...` creates one; so does `rlproxy serve`)"
+        ) from None
+    except Exception as exc:  # a URL SQLAlchemy cannot use: unknown dialect, malformed
+        raise NotAStore(f"cannot open {shown}: {_first_line(exc)}") from None
+    try:
+        async with engine.connect() as conn:
+            if not check:  # any database will do, but it must be one
+                probe = (
+                    "SELECT 1 FROM sqlite_master LIMIT 1" if engine.dialect.name == "sqlite" else "SELECT 1"
+                )
+                await conn.execute(text(probe))
+                return engine
+            try:
+                await conn.execute(text("SELECT 1 FROM runs WHERE 1 = 0"))
+                await conn.execute(text("SELECT version_num FROM alembic_version"))
+            except Exception as exc:
+                message = _first_line(exc)
+                if "no such table" in message or "does not exist" in message:
+                    raise NotAStore(
+                        f"{shown} is not an rlproxy database (it has no `runs` table; "
+                        "`rlproxy db upgrade --db ...` creates one)"
+                    ) from None
+                raise
+    except NotAStore:
+        await engine.dispose()
+        raise
+    except Exception as exc:  # not a database file, a server that refuses, bad credentials
+        await engine.dispose()
+        raise NotAStore(f"cannot read {shown}: {_first_line(exc)}") from None
+    return engine
+
+
+async def run_sql(engine: AsyncEngine, query: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """(column names, rows) of one SQL statement, as the driver returns them (JSON columns as text)."""
+    async with engine.connect() as conn:
+        result = await conn.execute(text(query))
+        if not result.returns_rows:
+            return [], []
+        return list(result.keys()), [tuple(r) for r in result.fetchall()]
+
+
+async def step_table(
+    engine: AsyncEngine, *, policy: str | None = None, limit: int = 50
+) -> list[dict[str, Any]]:
+    """The newest `limit` training steps (of `policy`, or all), oldest first, as `rlproxy steps` shows them.
+
+    Every row has `kind` and the metric columns of `STEP_METRICS` (None where unknown): read from the
+    columns when the store has them, else from the step's `metrics` JSON; and `best`: True on the
+    step whose adapter scored the best validation reward (storage/validation.py best_step).
+    """
+    from rlproxy.storage.validation import best_step
+
+    limit = max(1, min(int(limit), MAX_LIMIT))
+    where = "WHERE policy = :policy " if policy is not None else ""
+    q = text(f"SELECT * FROM training_steps {where}ORDER BY finished_at DESC, id DESC LIMIT :limit")
+    params: dict[str, Any] = {"limit": limit}
+    if policy is not None:
+        params["policy"] = policy
+    async with engine.connect() as conn:
+        rows = [dict(r._mapping) for r in (await conn.execute(q, params)).all()]
+    best = {p: await best_step(engine, p) for p in {r["policy"] for r in rows}} if rows else {}
+    out = []
+    for row in reversed(rows):
+        metrics = row.get("metrics")
+        if isinstance(metrics, str | bytes):
+            try:
+                metrics = orjson.loads(metrics)
+            except orjson.JSONDecodeError:
+                metrics = None
+        metrics = metrics if isinstance(metrics, dict) else {}
+        for column, keys in STEP_METRICS.items():
+            if row.get(column) is None:
+                row[column] = next(
+                    (metrics[k] for k in keys if isinstance(metrics.get(k), int | float)), None
+                )
+        row["kind"] = row.get("kind") or "grpo"
+        row["best"] = best.get(row["policy"]) == row["step"]
+        row["metrics"] = metrics
+        row.pop("config", None)
+        out.append({k: _iso(v) for k, v in row.items()})
+    return out

@@ -17,6 +17,7 @@ class Endpoint(StrEnum):
 
     CHAT = "chat.completions"  # POST /v1/chat/completions
     COMPLETIONS = "completions"  # POST /v1/completions
+    RESPONSES = "responses"  # POST /v1/responses, served over the upstream's chat completions
 
 
 @dataclass
@@ -26,6 +27,7 @@ class CompletionRecord:
     run_id: str | None  # X-Run-Id; None = not part of a run (stored, never trained)
     group_id: str | None = None  # explicit X-Group-Id (wins over default_group)
     default_group: str | None = None  # the proxy's hash; used only when the run is new
+    split: str | None = None  # X-Split: train or val (runs.split); used only when the run is new
     policy: str | None = None  # policy the request named
     adapter: str | None = None  # model the upstream served: base name or policy@step
     policy_step: int | None = None  # 0 = base model
@@ -46,6 +48,10 @@ class CompletionRecord:
     completion_tokens: int | None = None
     created_at: datetime | None = None  # UTC; the writer fills in now() when None
     capture_id: str | None = None  # unique per record (the writer sets it): replays store it once
+    # the Responses API (endpoint RESPONSES; request/response above hold the chat form the model saw)
+    response_id: str | None = None  # the response object's id; None when the client said store: false
+    client_request: dict[str, Any] | None = None  # the Responses request body as the client sent it
+    client_response: dict[str, Any] | None = None  # the Responses object the client received
 
 
 # The record fields that are `completions` columns (group_id/default_group belong to the run).
@@ -71,4 +77,7 @@ COMPLETION_FIELDS: tuple[str, ...] = (
     "completion_tokens",
     "created_at",
     "capture_id",
+    "response_id",
+    "client_request",
+    "client_response",
 )

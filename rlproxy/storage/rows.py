@@ -2,7 +2,8 @@
 
 Plain async functions on a connection inside the writer's open transaction; the writer
 (`writer.py`) owns the queue, the batching, the retries and the transaction itself, so nothing here
-commits. `next_seq` is the writer's map run id -> next `seq`, read here for runs it has not seen.
+commits. `seq` numbers come from the run row's counter `runs.next_seq`, so writers in several
+processes (replicas on one PostgreSQL) number a run's completions gapless (`ensure_runs`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from rlproxy.storage.errors import RewardConflict, RunNotFound
+from rlproxy.storage.errors import RewardConflict, RunNotFound, SplitConflict
 from rlproxy.storage.models import Completion, Run, RunStatus
 from rlproxy.storage.records import COMPLETION_FIELDS, CompletionRecord
 
@@ -27,49 +30,61 @@ async def stored_capture_ids(conn: AsyncConnection, capture_ids: list[str]) -> s
     return set((await conn.execute(query)).scalars())
 
 
-async def ensure_runs(
-    conn: AsyncConnection, records: list[CompletionRecord], next_seq: dict[str, int]
-) -> None:
-    """Read next seq of runs not seen yet, and create the rows of runs that are new."""
+async def ensure_runs(conn: AsyncConnection, records: list[CompletionRecord]) -> dict[str, int]:
+    """Create the rows of new runs and reserve each run's `seq` numbers; returns run id -> first seq.
+
+    One upsert per batch, in run id order: `INSERT ... ON CONFLICT (id) DO UPDATE SET next_seq =
+    runs.next_seq + n RETURNING id, next_seq`. The update locks each run row until the writer
+    commits, so writers in other processes number the same run after this one (gapless, unique); the
+    fixed order means two writers whose batches share runs wait for each other, never deadlock; a
+    rolled-back transaction gives its numbers back. On SQLite the writer holds the write lock already
+    (BEGIN IMMEDIATE): the same statement, no waiting.
+    """
     first: dict[str, CompletionRecord] = {}
+    count: dict[str, int] = {}
     for rec in records:
-        if rec.run_id is not None and rec.run_id not in next_seq and rec.run_id not in first:
-            first[rec.run_id] = rec
+        if rec.run_id is not None:
+            first.setdefault(rec.run_id, rec)
+            count[rec.run_id] = count.get(rec.run_id, 0) + 1
     if not first:
-        return
-    ids = list(first)
-    existing = set((await conn.execute(select(RUNS.c.id).where(RUNS.c.id.in_(ids)))).scalars())
-    max_seq = dict(
-        (
-            await conn.execute(
-                select(COMPLETIONS.c.run_id, func.max(COMPLETIONS.c.seq))
-                .where(COMPLETIONS.c.run_id.in_(ids))
-                .group_by(COMPLETIONS.c.run_id)
-            )
-        ).all()
-    )
-    new = [
+        return {}
+    rows = [
         {
             "id": rid,
             "group_id": rec.group_id or rec.default_group,
+            "split": rec.split or "train",  # fixed by the run's first request (storage/validation.py)
             "policy": rec.policy,
             "status": RunStatus.open.value,
             "created_at": rec.created_at or datetime.now(UTC),
+            "next_seq": count[rid],
         }
-        for rid, rec in first.items()
-        if rid not in existing
+        for rid, rec in sorted(first.items())
     ]
-    if new:
-        await conn.execute(insert(RUNS), new)
-    for rid in ids:
-        m = max_seq.get(rid)
-        next_seq[rid] = 0 if m is None else int(m) + 1
+    dialect = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    stmt = dialect(RUNS).values(rows)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[RUNS.c.id], set_={"next_seq": RUNS.c.next_seq + stmt.excluded.next_seq}
+    ).returning(RUNS.c.id, RUNS.c.next_seq)
+    return {rid: int(nxt) - count[rid] for rid, nxt in (await conn.execute(stmt)).all()}
+
+
+async def repair_next_seq(conn: AsyncConnection, run_ids: list[str]) -> None:
+    """Set `next_seq` of `run_ids` past their stored completions (after rows written around the counter,
+    e.g. by a script: the unique (run_id, seq) constraint refused the writer's numbers)."""
+    latest = (
+        select(func.coalesce(func.max(COMPLETIONS.c.seq) + 1, 0))
+        .where(COMPLETIONS.c.run_id == RUNS.c.id)
+        .scalar_subquery()
+    )
+    await conn.execute(update(RUNS).where(RUNS.c.id.in_(sorted(set(run_ids)))).values(next_seq=latest))
 
 
 async def insert_completions(
-    conn: AsyncConnection, records: list[CompletionRecord], next_seq: dict[str, int], now: datetime
+    conn: AsyncConnection, records: list[CompletionRecord], first_seq: dict[str, int], now: datetime
 ) -> int:
-    """Insert `records` as `completions` rows, numbering each run's rows on; returns the rows written."""
+    """Insert `records` as `completions` rows, numbering each run's rows from `first_seq` (ensure_runs)
+    in submission order; returns the rows written."""
+    next_seq = dict(first_seq)
     rows = []
     for rec in records:
         row = {f: getattr(rec, f) for f in COMPLETION_FIELDS}
@@ -88,24 +103,65 @@ async def insert_completions(
 async def apply_reward(
     conn: AsyncConnection,
     run_id: str,
-    reward: float,
+    reward: float | None,
     metrics: dict[str, Any] | None,
     metadata: dict[str, Any] | None,
     now: datetime,
-) -> bool | RunNotFound | RewardConflict:
-    """Store a run's reward: True when stored, False when the same one was, else the error to raise."""
-    row = (await conn.execute(select(RUNS.c.reward, RUNS.c.status).where(RUNS.c.id == run_id))).first()
+    rubric: str | None = None,
+    split: str | None = None,
+) -> bool | RunNotFound | RewardConflict | SplitConflict:
+    """Store a run's reward: True when stored, False when the same one was, else the error to raise.
+
+    `reward` None asks for the judge's (trainer/judge.py): the run becomes `completed` with reward
+    NULL and reward_source 'judge' (and `rubric` in judge_rubric) until the judge scores its group.
+    `split` "val" (the reward body's) makes the run a validation run, as `X-Split: val` on its first
+    request did: it becomes `validated`, never `completed` (storage/validation.py); None keeps its split.
+    """
+    query = select(RUNS.c.reward, RUNS.c.status, RUNS.c.reward_source, RUNS.c.metrics, RUNS.c.split)
+    # FOR NO KEY UPDATE (PostgreSQL; SQLite's writer holds the write lock already): a reward racing
+    # on another replica waits here for this transaction, then reads what it stored (200 vs 409).
+    query = query.where(RUNS.c.id == run_id).with_for_update(key_share=True)
+    row = (await conn.execute(query)).first()
     if row is None:
         return RunNotFound(run_id)
-    if row.reward is not None:
-        if float(row.reward) == reward:
+    judged = row.reward_source == "judge"
+    val = split == "val" or row.split == "val"
+    if split == "train" and row.split == "val":
+        return SplitConflict(run_id, "is a validation run (X-Split: val); refusing a train reward")
+    if split == "val" and row.split != "val" and (row.reward is not None or judged):
+        return SplitConflict(run_id, "was already rewarded as a training run; refusing split val")
+    if val and reward is None:
+        return SplitConflict(run_id, "is a validation run: post a number (the judge scores training runs)")
+    if reward is None:
+        if judged:  # asked for before (scored or not): the same request again
+            return False
+        if row.reward is not None:
+            return RewardConflict(run_id, row.reward, None)
+    elif judged and row.reward is None:
+        return RewardConflict(run_id, None, reward)
+    elif row.reward is not None:
+        # judge=always keeps the app's number in metrics.app_reward when the judge replaces it
+        app = (row.metrics or {}).get("app_reward") if judged else row.reward
+        if app is not None and float(app) == reward:
             return False
         return RewardConflict(run_id, row.reward, reward)
     # A late reward revives an expired run; a run the trainer already judged keeps its status.
-    status = RunStatus.completed.value if row.status in (RunStatus.open, RunStatus.expired) else row.status
+    rewarded = RunStatus.validated.value if val else RunStatus.completed.value  # val: never trained
+    status = rewarded if row.status in (RunStatus.open, RunStatus.expired) else row.status
+    source = (
+        {"reward_source": "app"} if reward is not None else {"reward_source": "judge", "judge_rubric": rubric}
+    )
     await conn.execute(
         update(RUNS)
         .where(RUNS.c.id == run_id)
-        .values(reward=reward, metrics=metrics, metadata=metadata, completed_at=now, status=status)
+        .values(
+            reward=reward,
+            metrics=metrics,
+            metadata=metadata,
+            completed_at=now,
+            status=status,
+            split="val" if val else "train",
+            **source,
+        )
     )
     return True

@@ -19,7 +19,8 @@ HEADER = """\
 -- rlproxy's SQLite schema at the newest migration (generated: python -m rlproxy.storage.schema).
 -- Do not edit: change rlproxy/storage/models.py, add an Alembic revision, regenerate this file.
 -- JSON columns hold JSON text: query them with json_extract(col, '$.path') and json_each(col).
--- Views: messages (one row per chat message of each completion), trajectories (one row per run).
+-- Views: messages (one row per chat message of each completion), trajectories (one row per run),
+-- validation (mean reward of the validation runs per policy and adapter step).
 """
 _ORDER = {"table": 0, "index": 1, "view": 2, "trigger": 3}
 

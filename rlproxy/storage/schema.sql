@@ -1,7 +1,8 @@
 -- rlproxy's SQLite schema at the newest migration (generated: python -m rlproxy.storage.schema).
 -- Do not edit: change rlproxy/storage/models.py, add an Alembic revision, regenerate this file.
 -- JSON columns hold JSON text: query them with json_extract(col, '$.path') and json_each(col).
--- Views: messages (one row per chat message of each completion), trajectories (one row per run).
+-- Views: messages (one row per chat message of each completion), trajectories (one row per run),
+-- validation (mean reward of the validation runs per policy and adapter step).
 
 CREATE TABLE alembic_version (
 	version_num VARCHAR(32) NOT NULL,
@@ -30,10 +31,19 @@ CREATE TABLE completions (
 	ttft_ms FLOAT /* time to first token (streams) */,
 	prompt_tokens INTEGER,
 	completion_tokens INTEGER,
-	created_at DATETIME NOT NULL, capture_id VARCHAR(64) /* unique id the proxy gave the record (its crash-journal replay stores it once) */,
+	created_at DATETIME NOT NULL, capture_id VARCHAR(64) /* unique id the proxy gave the record (its crash-journal replay stores it once) */, response_id VARCHAR(64) /* Responses API: id of the response object; NULL if store: false */, client_request JSON /* Responses API: the request body as the client sent it */, client_response JSON /* Responses API: the response object the client received */,
 	PRIMARY KEY (id),
 	FOREIGN KEY(run_id) REFERENCES runs (id) ON DELETE CASCADE,
 	CONSTRAINT uq_completions_run_seq UNIQUE (run_id, seq)
+);
+
+CREATE TABLE policies (
+	name VARCHAR(256) NOT NULL /* the policy */,
+	parent VARCHAR(256) /* policy it was forked from */,
+	parent_step INTEGER /* step of parent it was forked from */,
+	init_adapter TEXT /* LoRA folder it started from (--init-adapter) */,
+	created_at DATETIME NOT NULL,
+	PRIMARY KEY (name)
 );
 
 CREATE TABLE runs (
@@ -46,7 +56,7 @@ CREATE TABLE runs (
 	metadata JSON /* free JSON posted with the reward */,
 	created_at DATETIME NOT NULL,
 	completed_at DATETIME /* when rewarded */,
-	trained_step INTEGER /* training_steps.step that used it */,
+	trained_step INTEGER /* training_steps.step that used it */, status_reason VARCHAR(32) /* why the trainer set its status: no_sibling, zero_variance, stale, no_usable_completion, nonfinite (see storage/training.py) */, reward_source VARCHAR(16) /* app or judge (NULL reward: waiting for the judge) */, judge_explanation TEXT /* the judge's short reason for its score */, judge_rubric TEXT /* rubric named when the run was completed (NULL: the policy's) */, split VARCHAR(8) DEFAULT 'train' NOT NULL /* train, or val: a validation run, served and stored but never trained */, next_seq INTEGER DEFAULT '0' NOT NULL /* seq the run's next completion gets (the writers' counter, see storage/rows.py) */,
 	PRIMARY KEY (id)
 );
 
@@ -63,7 +73,7 @@ CREATE TABLE training_steps (
 	mean_reward FLOAT,
 	loss FLOAT,
 	metrics JSON /* loss/, kl/, clip/, reward/, perf/ numbers */,
-	config JSON /* resolved trainer settings of this step */,
+	config JSON /* resolved trainer settings of this step */, reward_std FLOAT /* std of the step's run rewards */, zero_variance_frac FLOAT /* groups with equal rewards / groups seen since the last step (skipped too) */, kl FLOAT /* per token: k3 to the base when beta > 0, else approx KL to the sampler */, clip_frac_low FLOAT /* fraction of tokens clipped at 1 - epsilon (A < 0) */, clip_frac_high FLOAT /* fraction of tokens clipped at 1 + epsilon_high (A > 0) */, entropy FLOAT /* mean entropy of the policy at the sampled positions, nats */, completion_len_mean FLOAT /* mean sampled tokens per trained completion */, policy_lag_mean FLOAT /* mean adapter steps between sampling and training */, tokens_per_s FLOAT /* prompt + completion tokens trained per second */, grad_norm FLOAT /* global gradient norm before clipping */, kind VARCHAR(16) DEFAULT 'grpo' NOT NULL /* grpo, or sft for supervised steps */, val_reward FLOAT /* mean reward of the val runs served by step - 1 (at the commit) */, val_runs INTEGER /* how many val runs val_reward averages */,
 	PRIMARY KEY (id),
 	CONSTRAINT uq_training_steps_policy_step UNIQUE (policy, step)
 );
@@ -76,9 +86,13 @@ CREATE INDEX ix_runs_group_id ON runs (group_id);
 
 CREATE INDEX ix_runs_status ON runs (status);
 
+CREATE INDEX ix_runs_status_completed ON runs (status, completed_at, id);
+
 CREATE INDEX ix_runs_status_group ON runs (status, group_id);
 
 CREATE UNIQUE INDEX ux_completions_capture_id ON completions (capture_id);
+
+CREATE UNIQUE INDEX ux_completions_response_id ON completions (response_id);
 
 CREATE VIEW messages AS
 SELECT c.run_id AS run_id, c.id AS completion_id, c.seq AS seq, CAST(m.key AS INTEGER) AS idx,
@@ -109,3 +123,15 @@ SELECT r.id AS run_id, r.group_id AS group_id, r.reward AS reward, r.status AS s
                END
         FROM completions AS c WHERE c.run_id = r.id ORDER BY c.seq DESC LIMIT 1) AS messages
 FROM runs AS r;
+
+CREATE VIEW validation AS
+SELECT policy, step, COUNT(*) AS val_runs, AVG(reward) AS val_reward
+FROM (
+    SELECT r.policy AS policy, r.reward AS reward,
+        (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
+        (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step
+    FROM runs r
+    WHERE r.status = 'validated' AND r.reward IS NOT NULL AND r.policy IS NOT NULL
+) AS v
+WHERE step IS NOT NULL AND step = last_step
+GROUP BY policy, step;

@@ -4,13 +4,24 @@ A *group* is the completed runs sharing (policy, group_id). It is ready when it 
 completed runs, or when its newest reward is older than `group_timeout` and it holds at least two.
 Groups whose rewards are all equal carry no gradient: `skip_groups` marks their runs `skipped`.
 
+Live traffic rarely repeats a task: most groups never get a second run. `ungroup_runs` moves a run
+still alone in its group `group_timeout` after its reward to `ungrouped` (status_reason `no_sibling`),
+so nothing stays `completed` forever and the poll only ever reads completed runs younger than a
+timeout plus the groups waiting for a step. With `singletons=train`, `ungrouped_batch` hands the
+oldest ungrouped runs of one policy to the trainer as one batch that shares one baseline (its mean
+reward). Every read here starts from a status on `ix_runs_status_completed (status, completed_at,
+id)` or `ix_runs_status_group`, so the poll's cost does not grow with the number of ungrouped,
+trained or skipped runs (bench/poll.py measures it). `runs.status_reason` says why the trainer gave a
+run its status (`StatusReason`).
+
 `commit_step` is the exactly-once point: in ONE write transaction (SQLite: BEGIN IMMEDIATE) it sets
-the step's runs to `trained` only if every one is still `completed`, and inserts the
+the step's runs to `trained` only if every one is still `completed` (or `ungrouped`), and inserts the
 `training_steps` row; anything else rolls back and raises `StepConflict`.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,25 +29,67 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import exists, func, insert, literal_column, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.orm import aliased
 
 from rlproxy.storage.db import connect_write
 from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.models import Completion, Run, RunStatus, TrainingStep
+from rlproxy.storage.validation import step_summary
 
 log = logging.getLogger(__name__)
+
+# what commit_step's `columns` may set: the per-step metric columns of migration 0005
+STEP_METRIC_COLUMNS: tuple[str, ...] = (
+    "reward_std",
+    "zero_variance_frac",
+    "kl",
+    "clip_frac_low",
+    "clip_frac_high",
+    "entropy",
+    "completion_len_mean",
+    "policy_lag_mean",
+    "tokens_per_s",
+    "grad_norm",
+    "kind",
+)
+
+
+TRAINABLE = (RunStatus.completed, RunStatus.ungrouped)  # the statuses a step may take runs from
+# Validation runs (split val) become `validated`, never a TRAINABLE status; this guard keeps them out
+# of every selection even when a status was set by hand (storage/validation.py).
+TRAIN_SPLIT = Run.split == "train"
+NOTICE_MIN_RUNS = 20  # fewer rewarded runs are too few to say that most tasks are unique
+
+
+class StatusReason(enum.StrEnum):
+    """`runs.status_reason`: why the trainer gave a run its status."""
+
+    no_sibling = "no_sibling"  # ungrouped: no other rewarded run of its group within group_timeout
+    zero_variance = "zero_variance"  # skipped: its group's (or batch's) rewards were all equal
+    stale = "stale"  # skipped: every sample was drawn more than max_policy_lag steps ago
+    no_usable_completion = "no_usable_completion"  # failed: nothing sampled was stored
+    nonfinite = "nonfinite"  # failed: its steps' loss or gradient was not finite, again and again
+    judge_failed = "judge_failed"  # failed: the judge's answers for its group stayed malformed (judging.py)
+    judge_off = "judge_off"  # failed: completed for the judge, but the judge is off for its policy
 
 
 @dataclass
 class ReadyGroup:
-    """A group of completed runs ready for training, oldest reward first."""
+    """A group of completed runs ready for training, oldest reward first.
+
+    `batch` marks a batch of `ungrouped` runs (singletons=train): groups of one run each, trained
+    against one shared baseline, the batch's mean reward.
+    """
 
     policy: str
     group_id: str
     run_ids: list[str]
     rewards: list[float]
     newest_at: datetime
+    batch: bool = False
+    sources: list[str | None] = field(default_factory=list)  # runs.reward_source per run: app, judge
 
     @property
     def zero_variance(self) -> bool:
@@ -69,6 +122,7 @@ class RunData:
     policy: str
     reward: float
     completions: list[CompletionData] = field(default_factory=list)
+    ungrouped: bool = False  # alone in its group: its baseline is its batch's (batches.baseline_group)
 
 
 @asynccontextmanager
@@ -87,6 +141,23 @@ def _aware(t: datetime | None) -> datetime | None:
     return t.replace(tzinfo=UTC) if t is not None and t.tzinfo is None else t
 
 
+def _status_is(engine: AsyncEngine, status: RunStatus) -> Any:
+    """`runs.status = status`, marked rare for SQLite's planner so that it walks a status index.
+
+    Without per-value statistics (SQLite is built without STAT4), an ANALYZEd SQLite believes each
+    status holds half the runs and scans the whole table instead; likelihood() overrides that
+    estimate and keeps the term indexable. PostgreSQL's statistics know each status's share.
+    """
+    cond = Run.status == status
+    return func.likelihood(cond, literal_column("0.001")) if engine.dialect.name == "sqlite" else cond
+
+
+def _ts(engine: AsyncEngine, t: datetime) -> datetime:
+    # SQLite stores naive UTC text: a bound time must be naive UTC too, so that text order is time order.
+    t = t.astimezone(UTC) if t.tzinfo is not None else t
+    return t.replace(tzinfo=None) if engine.dialect.name == "sqlite" else t.replace(tzinfo=UTC)
+
+
 async def ready_groups(
     engine: AsyncEngine,
     *,
@@ -100,8 +171,8 @@ async def ready_groups(
     newest = func.max(func.coalesce(Run.completed_at, Run.created_at))
     q = (
         select(Run.policy, Run.group_id, func.count().label("n"), newest.label("newest"))
-        .where(Run.status == RunStatus.completed, Run.group_id.is_not(None), Run.policy.is_not(None))
-        .where(Run.reward.is_not(None))
+        .where(_status_is(engine, RunStatus.completed), Run.group_id.is_not(None), Run.policy.is_not(None))
+        .where(Run.reward.is_not(None), TRAIN_SPLIT)
         .group_by(Run.policy, Run.group_id)
         .having(func.count() >= 2)
     )
@@ -119,17 +190,132 @@ async def ready_groups(
         for pol, gid, newest_at in keys:
             runs = (
                 await conn.execute(
-                    select(Run.id, Run.reward)
+                    select(Run.id, Run.reward, Run.reward_source)
                     .where(Run.policy == pol, Run.group_id == gid, Run.status == RunStatus.completed)
-                    .where(Run.reward.is_not(None))
+                    .where(Run.reward.is_not(None), TRAIN_SPLIT)
                     .order_by(Run.completed_at, Run.id)
                 )
             ).all()
             groups.append(
-                ReadyGroup(pol, gid, [r.id for r in runs], [float(r.reward) for r in runs], newest_at)
+                ReadyGroup(
+                    pol,
+                    gid,
+                    [r.id for r in runs],
+                    [float(r.reward) for r in runs],
+                    newest_at,
+                    sources=[r.reward_source for r in runs],
+                )
             )
     groups.sort(key=lambda g: g.newest_at)
     return groups
+
+
+def _alone() -> Any:
+    """True for a run that no other rewarded `completed` run shares (policy, group_id) with."""
+    sib = aliased(Run)
+    return ~exists().where(
+        sib.status == RunStatus.completed,
+        sib.policy == Run.policy,
+        sib.group_id == Run.group_id,
+        sib.reward.is_not(None),
+        sib.id != Run.id,
+    )
+
+
+async def ungroup_runs(engine: AsyncEngine, *, group_timeout: float, now: datetime | None = None) -> int:
+    """Mark `ungrouped` (reason `no_sibling`) every rewarded `completed` run still alone in its group
+    `group_timeout` seconds after its reward; returns how many.
+
+    It reads first and takes the write lock only when there is something to move. The read walks
+    ix_runs_status_completed over the completed runs older than the timeout, which are only such lone
+    runs (once) and the members of ready groups waiting for a step: its cost does not grow with the
+    runs already ungrouped, trained or skipped. A sibling arriving later does not bring a run back: it
+    waits for a sibling of its own.
+    """
+    cutoff = _ts(engine, (now or datetime.now(UTC)) - timedelta(seconds=group_timeout))
+    where = (
+        _status_is(engine, RunStatus.completed),
+        Run.completed_at <= cutoff,
+        Run.reward.is_not(None),
+        _alone(),
+    )
+    async with engine.connect() as conn:
+        if (await conn.execute(select(Run.id).where(*where).limit(1))).first() is None:
+            return 0
+    async with _write(engine) as conn:
+        res = await conn.execute(
+            update(Run)
+            .where(*where)
+            .values(status=RunStatus.ungrouped, status_reason=StatusReason.no_sibling)
+            .execution_options(synchronize_session=False)
+        )
+    log.debug("ungrouped %d run(s): no sibling within %.1f s", res.rowcount, group_timeout)
+    return int(res.rowcount or 0)
+
+
+async def ungrouped_batch(
+    engine: AsyncEngine, *, batch_size: int, wait: float, now: datetime | None = None
+) -> ReadyGroup | None:
+    """The next batch of `ungrouped` runs to train (singletons=train), or None while none is ready.
+
+    The batch is the oldest `batch_size` ungrouped runs of the policy whose ungrouped run is oldest.
+    It is ready when it holds `batch_size` runs, or at least 2 of which the newest was rewarded more
+    than `wait` seconds ago (slow traffic: the rest of the batch is not coming soon). Two indexed
+    reads of at most `batch_size` rows, however many runs are ungrouped.
+    """
+    ungrouped = (
+        _status_is(engine, RunStatus.ungrouped),
+        Run.policy.is_not(None),
+        Run.reward.is_not(None),
+        TRAIN_SPLIT,
+    )
+    order = (Run.completed_at, Run.id)
+    async with engine.connect() as conn:
+        policy = await conn.scalar(select(Run.policy).where(*ungrouped).order_by(*order).limit(1))
+        if policy is None:
+            return None
+        rows = (
+            await conn.execute(
+                select(Run.id, Run.reward, Run.completed_at)
+                .where(*ungrouped, Run.policy == policy)
+                .order_by(*order)
+                .limit(batch_size)
+            )
+        ).all()
+    newest = max((_aware(r.completed_at) for r in rows if r.completed_at is not None), default=None)
+    waited = newest is not None and newest <= (now or datetime.now(UTC)) - timedelta(seconds=wait)
+    if len(rows) < batch_size and not (len(rows) >= 2 and waited):
+        return None
+    return ReadyGroup(
+        policy,
+        "(ungrouped)",
+        [r.id for r in rows],
+        [float(r.reward) for r in rows],
+        newest or datetime.now(UTC),
+        batch=True,
+    )
+
+
+def singleton_notice(by_status: dict[str, int]) -> str | None:
+    """What to tell an operator when most rewarded runs are `ungrouped` (every task unique), else None.
+
+    `by_status` is the run count per status (storage.queries.run_status_counts). Rewarded runs are the
+    completed, trained, skipped and ungrouped ones; with `singletons=train` ungrouped runs are trained
+    and the notice goes away by itself.
+    """
+    ungrouped = by_status.get(RunStatus.ungrouped, 0)
+    rewarded = ungrouped + sum(
+        by_status.get(s, 0) for s in (RunStatus.completed, RunStatus.trained, RunStatus.skipped)
+    )
+    if rewarded < NOTICE_MIN_RUNS or 2 * ungrouped <= rewarded:
+        return None
+    return (
+        f"{ungrouped} of {rewarded} rewarded runs ({100 * ungrouped / rewarded:.0f}%) are ungrouped: "
+        "no other run of their group arrived within group_timeout, so GRPO has nothing to compare "
+        "them with and they are not trained. Every task looks unique (live traffic): set "
+        "RLPROXY_SINGLETONS=train to train them against their batch's mean reward, and/or send "
+        "X-Group-Id with a task family so similar tasks group together (README: Live traffic)."
+    )
 
 
 async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
@@ -144,7 +330,13 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
             )
         ).all()
     out = {
-        rid: RunData(rid, runs[rid].group_id, runs[rid].policy, float(runs[rid].reward))
+        rid: RunData(
+            rid,
+            runs[rid].group_id,
+            runs[rid].policy,
+            float(runs[rid].reward),
+            ungrouped=runs[rid].status == RunStatus.ungrouped,
+        )
         for rid in run_ids
         if rid in runs
     }
@@ -166,20 +358,26 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
     return [out[rid] for rid in run_ids if rid in out]
 
 
-async def mark_runs(engine: AsyncEngine, run_ids: list[str], status: RunStatus) -> int:
-    """Set still-`completed` runs to `status` (skipped or failed); returns how many changed."""
+async def mark_runs(
+    engine: AsyncEngine, run_ids: list[str], status: RunStatus, reason: StatusReason | None = None
+) -> int:
+    """Set still-trainable (`completed` or `ungrouped`) runs to `status` (skipped or failed), with
+    `reason` in status_reason; returns how many changed."""
     if not run_ids:
         return 0
     async with _write(engine) as conn:
         res = await conn.execute(
-            update(Run).where(Run.id.in_(run_ids), Run.status == RunStatus.completed).values(status=status)
+            update(Run)
+            .where(Run.id.in_(run_ids), Run.status.in_(TRAINABLE))
+            .values(status=status, status_reason=reason)
         )
     return res.rowcount
 
 
 async def skip_groups(engine: AsyncEngine, groups: list[ReadyGroup]) -> int:
     """Mark the runs of zero-variance groups `skipped` (no gradient, never trained); returns the run count."""
-    return await mark_runs(engine, [rid for g in groups for rid in g.run_ids], RunStatus.skipped)
+    run_ids = [rid for g in groups for rid in g.run_ids]
+    return await mark_runs(engine, run_ids, RunStatus.skipped, StatusReason.zero_variance)
 
 
 async def commit_step(
@@ -197,13 +395,22 @@ async def commit_step(
     loss: float | None = None,
     metrics: dict[str, Any] | None = None,
     config: dict[str, Any] | None = None,
+    columns: dict[str, Any] | None = None,
 ) -> None:
     """Record step `step` of `policy` and mark its runs `trained`, all or nothing.
+
+    `columns` fills the per-step metric columns (`kl`, `grad_norm`, ..., `kind`; migration 0005);
+    `val_reward` / `val_runs` are the val runs served by step - 1, read in the same transaction.
+    a name that is not a column of `training_steps` raises ValueError before anything is written.
 
     Raises StepConflict (and changes nothing) when a run is not `completed` any more (already
     trained by this step or another, skipped, ...) or when the step is already recorded.
     """
     run_ids = list(dict.fromkeys(run_ids))
+    columns = dict(columns or {})
+    unknown = set(columns) - set(STEP_METRIC_COLUMNS)
+    if unknown:
+        raise ValueError(f"not per-step metric columns of training_steps: {sorted(unknown)}")
     async with _write(engine) as conn:
         exists = await conn.scalar(
             select(func.count())
@@ -212,9 +419,9 @@ async def commit_step(
         )
         if exists:
             raise StepConflict(f"step {step} of policy {policy!r} is already recorded")
-        res = await conn.execute(
+        res = await conn.execute(  # an ungrouped run keeps its status_reason: trained as a singleton
             update(Run)
-            .where(Run.id.in_(run_ids), Run.status == RunStatus.completed)
+            .where(Run.id.in_(run_ids), Run.status.in_(TRAINABLE), TRAIN_SPLIT)
             .values(status=RunStatus.trained, trained_step=step)
         )
         if res.rowcount != len(run_ids):
@@ -222,6 +429,8 @@ async def commit_step(
                 f"step {step} of policy {policy!r}: {len(run_ids) - res.rowcount} of {len(run_ids)} runs "
                 "are no longer completed (trained or skipped elsewhere); nothing was committed"
             )
+        # the adapter this step started from (step - 1), measured by the val runs it served so far
+        val_reward, val_runs = await step_summary(conn, policy, step - 1)
         await conn.execute(
             insert(TrainingStep).values(
                 step=step,
@@ -236,6 +445,9 @@ async def commit_step(
                 loss=loss,
                 metrics=metrics,
                 config=config,
+                val_reward=val_reward,
+                val_runs=val_runs,
+                **columns,
             )
         )
     log.debug("committed step %d of %s (%d runs)", step, policy, len(run_ids))
@@ -246,6 +458,20 @@ async def latest_step(engine: AsyncEngine, policy: str) -> int:
     async with engine.connect() as conn:
         step = await conn.scalar(select(func.max(TrainingStep.step)).where(TrainingStep.policy == policy))
     return int(step or 0)
+
+
+async def forget_adapter_paths(engine: AsyncEngine, policy: str, steps: list[int]) -> int:
+    """Set `adapter_path` NULL on steps whose checkpoint folder was pruned (keep_checkpoints): a path in
+    `training_steps` always names a folder that exists. Returns the rows changed."""
+    if not steps:
+        return 0
+    async with _write(engine) as conn:
+        res = await conn.execute(
+            update(TrainingStep)
+            .where(TrainingStep.policy == policy, TrainingStep.step.in_(steps))
+            .values(adapter_path=None)
+        )
+    return res.rowcount
 
 
 async def step_exists(engine: AsyncEngine, policy: str, step: int) -> bool:

@@ -11,6 +11,15 @@ transaction (`BEGIN IMMEDIATE` on SQLite), and only then moves on. A reward trav
 queue, so by the time it is applied every completion submitted before it for its run is committed
 in the same or an earlier transaction; the caller awaits a future resolved after the commit.
 
+Several processes (replicas on one PostgreSQL) each run one writer. What keeps them correct is in
+the transaction, not in memory: `seq` comes from the run row's counter (`rows.ensure_runs`, which
+locks the batch's run rows in id order until the commit), a reward reads its run row FOR NO KEY
+UPDATE (`rows.apply_reward`: two different rewards racing on two replicas give one 200, one 409),
+and a deadlock or serialization failure is retried like a lost connection. What one process
+cannot see is another's queue: a reward for a run the store does not know yet is looked up again
+for PEER_GRACE_S before its 404, and a reward posted to replica B may commit up to `flush_interval`
+before the last completion the client got from replica A (README, "Several proxies").
+
 Capture never breaks the user's response: `submit` never blocks or raises; a failed transaction is
 logged, counted and retried with backoff (a locked or unreachable database heals by itself); a
 batch that keeps failing for a reason that retrying cannot fix is split, and only a single record
@@ -49,16 +58,27 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from rlproxy.errors import StorageError
 from rlproxy.storage.db import connect_write
-from rlproxy.storage.errors import StoreUnavailable
+from rlproxy.storage.errors import RunNotFound, StoreUnavailable
 from rlproxy.storage.journal import Journal, Segment, encode
 from rlproxy.storage.records import CompletionRecord
-from rlproxy.storage.rows import apply_reward, ensure_runs, insert_completions, stored_capture_ids
+from rlproxy.storage.rows import (
+    apply_reward,
+    ensure_runs,
+    insert_completions,
+    repair_next_seq,
+    stored_capture_ids,
+)
 
 log = logging.getLogger(__name__)
 
 # Attempts at a batch before a non-transient failure makes us split it into single records.
 SPLIT_AFTER = 3
 MAX_BACKOFF_S = 2.0
+# A reward for a run the database does not know yet, on a store several replicas write (PostgreSQL):
+# looked up again every PEER_RETRY_S for PEER_GRACE_S before the 404, since the replica that served
+# the run's first completion commits it up to its flush_interval (0.05 s) + a transaction later.
+PEER_GRACE_S = 1.0
+PEER_RETRY_S = 0.05
 
 
 class _Item:
@@ -76,10 +96,12 @@ class _Item:
 @dataclass
 class _Reward:
     run_id: str
-    reward: float
+    reward: float | None  # None: the judge's reward is asked for (rows.apply_reward)
     metrics: dict[str, Any] | None
     metadata: dict[str, Any] | None
     future: asyncio.Future[bool] = field(repr=False)
+    rubric: str | None = None
+    split: str | None = None  # the reward body's "split" (rows.apply_reward); None keeps the run's
 
 
 @dataclass
@@ -128,7 +150,6 @@ class Writer:
         self._queue: asyncio.Queue[_Op] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._urgent = 0  # rewards and stops in the queue: flush without waiting for more
-        self._next_seq: dict[str, int] = {}  # committed next seq per run (a run here has its row)
         self._conn: AsyncConnection | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -242,31 +263,49 @@ class Writer:
     async def reward(
         self,
         run_id: str,
-        reward: float,
+        reward: float | None,
         metrics: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         timeout: float | None = None,
+        rubric: str | None = None,
+        split: str | None = None,
     ) -> bool:
         """Store a run's reward once its earlier completions are committed.
 
         True: stored (the run becomes `completed`). False: this same reward was already stored.
         Raises RunNotFound (no such run), RewardConflict (a different reward is stored),
         StoreUnavailable (not committed within `timeout` seconds: the reward is withdrawn unless its
-        transaction had already begun, so a retry is safe either way).
+        transaction had already begun, so a retry is safe either way). `reward` None completes the
+        run for the judge (`rubric`: its rubric, None = the policy's). `split` "val" makes it a
+        validation run (SplitConflict when that contradicts the run).
         """
-        if not math.isfinite(reward):
+        if reward is not None and not math.isfinite(reward):
             raise ValueError("reward must be a finite number")
         if self._closing or self._task is None:
             raise StorageError("the writer is not running")
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._put_urgent(_Reward(run_id, float(reward), metrics, metadata, fut))
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise StoreUnavailable(
-                f"the store did not commit the reward of run {run_id!r} within {timeout:g} s; retry later",
-                retry_after=max(1.0, timeout or 1.0),
-            ) from None
+        value = float(reward) if reward is not None else None
+        started = time.monotonic()
+        while True:
+            fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            self._put_urgent(_Reward(run_id, value, metrics, metadata, fut, rubric, split))
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+            try:
+                return await asyncio.wait_for(fut, left)
+            except TimeoutError:
+                raise StoreUnavailable(
+                    f"the store did not commit the reward of run {run_id!r} within {timeout:g} s; "
+                    "retry later",
+                    retry_after=max(1.0, timeout or 1.0),
+                ) from None
+            except RunNotFound:
+                # Several replicas on one server: the run's first completion may still be queued in
+                # another one's writer (it commits within its flush_interval): look again, briefly.
+                waited = time.monotonic() - started + PEER_RETRY_S
+                if self._engine.dialect.name == "sqlite" or waited > min(
+                    PEER_GRACE_S, timeout or PEER_GRACE_S
+                ):
+                    raise
+            await asyncio.sleep(PEER_RETRY_S)
 
     async def flush(self) -> None:
         """Wait until everything submitted so far is committed (or given up on)."""
@@ -361,9 +400,8 @@ class Writer:
                 self.write_errors += 1
                 self.last_error = f"{type(e).__name__}: {e}"[:500]
                 await self._discard_conn()
-                for op in batch:  # re-read max(seq) next time: another process may have written
-                    if isinstance(op, _Item) and op.rec.run_id is not None:
-                        self._next_seq.pop(op.rec.run_id, None)
+                if _seq_taken(e):  # rows written around runs.next_seq (a script): count on past them
+                    await self._repair(batch)
                 transient = _is_transient(e)
                 log.warning(
                     "writer: transaction of %d operations failed (attempt %d, %s): %s",
@@ -398,6 +436,20 @@ class Writer:
                     else:
                         op.future.set_result(bool(outcome))
             return
+
+    async def _repair(self, batch: list[_Op]) -> None:
+        """Move the counters of the batch's runs past their stored completions (own transaction)."""
+        run_ids = [op.rec.run_id for op in batch if isinstance(op, _Item) and op.rec.run_id is not None]
+        try:
+            conn = await connect_write(self._engine)
+            try:
+                async with conn.begin():
+                    await repair_next_seq(conn, run_ids)
+            finally:
+                await conn.close()
+            log.warning("writer: seq counters of %d run(s) moved past rows written around them", len(run_ids))
+        except Exception as e:  # the retry fails again and says why
+            log.warning("writer: could not repair seq counters: %s", e)
 
     def _resolved(self, item: _Item) -> None:
         self._bytes -= item.size
@@ -439,7 +491,6 @@ class Writer:
             self._conn = await connect_write(self._engine)
         conn = self._conn
         items = [op for op in batch if isinstance(op, _Item)]
-        next_seq = dict(self._next_seq)
         outcomes: list[Any] = []
         async with conn.begin():
             replayed = [it.rec.capture_id for it in items if it.replayed and it.rec.capture_id]
@@ -447,27 +498,42 @@ class Writer:
                 have = await stored_capture_ids(conn, replayed)
                 items = [it for it in items if not (it.replayed and it.rec.capture_id in have)]
             records = [it.rec for it in items]
-            await ensure_runs(conn, records, next_seq)
+            first_seq = await ensure_runs(conn, records)  # locks the runs' rows until the commit
             now = datetime.now(UTC)
-            written = await insert_completions(conn, records, next_seq, now)
+            written = await insert_completions(conn, records, first_seq, now)
             for op in batch:
                 if isinstance(op, _Reward) and not op.future.done():  # done: withdrawn (timed out)
                     outcomes.append(
-                        await apply_reward(conn, op.run_id, op.reward, op.metrics, op.metadata, now)
+                        await apply_reward(
+                            conn, op.run_id, op.reward, op.metrics, op.metadata, now, op.rubric, op.split
+                        )
                     )
                 else:
                     outcomes.append(None)
-        self._next_seq = next_seq
         self.rows_written += written
         self.replayed += sum(1 for it in items if it.replayed)
         self.rewards_written += sum(1 for o in outcomes if o is True)
         return outcomes
 
 
+# PostgreSQL's SQLSTATEs of a transaction another one got in the way of: retrying it succeeds.
+_RETRY_SQLSTATES = {"40001", "40P01", "55P03"}  # serialization failure, deadlock, lock not available
+
+
+def _seq_taken(e: BaseException) -> bool:
+    """The unique (run_id, seq) constraint refused a number runs.next_seq handed out."""
+    text = str(e)  # PostgreSQL names the constraint, SQLite its columns
+    return isinstance(e, exc.IntegrityError) and (
+        "uq_completions_run_seq" in text or "completions.run_id, completions.seq" in text
+    )
+
+
 def _is_transient(e: BaseException) -> bool:
     """Errors that waiting can fix: locks, lost connections, a database restarting."""
     if isinstance(e, exc.DBAPIError):
         if e.connection_invalidated:
+            return True
+        if getattr(e.orig, "sqlstate", None) in _RETRY_SQLSTATES:
             return True
         if isinstance(e, exc.OperationalError | exc.InterfaceError):
             return True

@@ -101,6 +101,25 @@ class Batch:
         return int(self.mask.sum().item())
 
 
+def baseline_group(run: RunData) -> tuple[bool, str | None]:
+    """The key of the runs whose rewards make `run`'s baseline (its advantage is normalized among them).
+
+    A run's group (policy, group_id: one policy per step); for an `ungrouped` run (singletons=train)
+    all the ungrouped runs of its step: one baseline, the batch's mean reward, and with
+    scale_rewards=group the batch's std. That is GRPO's formula with the batch as the group:
+    REINFORCE++'s global advantage normalization for one sample per prompt (Hu 2025, arXiv:2501.03262).
+    """
+    return (True, None) if run.ungrouped else (False, run.group_id)
+
+
+def baseline_index(runs: list[RunData]) -> tuple[list[tuple[bool, str | None]], Tensor]:
+    """The distinct baseline groups of `runs` in order of appearance, and each run's (R,) index into
+    them: the `group_index` of losses.advantages."""
+    keys = list(dict.fromkeys(baseline_group(r) for r in runs))
+    row = {k: i for i, k in enumerate(keys)}
+    return keys, torch.tensor([row[baseline_group(r)] for r in runs], dtype=torch.long)
+
+
 def rebuild_with_template(tokenizer: Any, comp: CompletionData, choice: int) -> tuple[list[int], list[int]]:
     """Prompt and completion token ids of a completion stored without them, via the chat template."""
     request, response = comp.request or {}, comp.response or {}

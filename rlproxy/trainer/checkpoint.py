@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,35 @@ def save_checkpoint(
     return Checkpoint(policy, step, final)
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", OPTIMIZER_FILE)
+
+
+def copy_checkpoint(
+    src: str | Path, root: str | Path, policy: str, step: int, state: dict[str, Any]
+) -> Checkpoint:
+    """Checkpoint `step` of `policy` made from the adapter folder `src` (a fork's or `--init-adapter`'s):
+    its adapter files (and optimizer.pt when there is one) plus `state`, written atomically like
+    `save_checkpoint`. Fails if that step already exists."""
+    final = step_dir(root, policy, step)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        raise TrainerError(f"checkpoint {final} already exists; refusing to overwrite a published adapter")
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:04d}-", dir=final.parent))
+    try:
+        for name in ADAPTER_FILES:
+            if (Path(src) / name).is_file():
+                shutil.copy2(Path(src) / name, tmp / name)
+        (tmp / STATE_FILE).write_text(
+            json.dumps({**state, "policy": policy, "step": step}, indent=1, default=str)
+        )
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Checkpoint(policy, step, final)
+
+
 def list_checkpoints(root: str | Path, policy: str) -> list[Checkpoint]:
     """The complete checkpoints of `policy`, oldest first."""
     folder = policy_dir(root, policy)
@@ -136,10 +166,11 @@ def clean_partial(root: str | Path) -> int:
     return n
 
 
-def prune(root: str | Path, policy: str, keep: int) -> list[int]:
-    """Delete all but the newest `keep` checkpoints of `policy`; returns the deleted steps."""
+def prune(root: str | Path, policy: str, keep: int, protect: Collection[int] = ()) -> list[int]:
+    """Delete all but the newest `keep` checkpoints of `policy` and the steps in `protect` (the best one
+    by validation reward: storage/validation.py); returns the deleted steps."""
     found = list_checkpoints(root, policy)
-    gone = found[: max(len(found) - keep, 0)]
+    gone = [c for c in found[: max(len(found) - keep, 0)] if c.step not in protect]
     for c in gone:
         shutil.rmtree(c.path, ignore_errors=True)
     return [c.step for c in gone]

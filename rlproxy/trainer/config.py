@@ -4,7 +4,26 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+# learning_rate=None: measured 1e-3 for SmolLM2-135M (hidden 576) with LoRA r=8/alpha=16 (LEARNING_FACTS),
+# scaled down with the hidden size like Thinking Machines' fit of the best LoRA learning rate
+# (~ hidden ** -0.78 for Llama models, "LoRA Without Regret", 2025).
+LR_ANCHOR_HIDDEN = 576
+LR_ANCHOR = 1e-3
+LR_EXPONENT = 0.75
+LR_FALLBACK = 1e-4  # a model whose config names no hidden size
+
+
+def learning_rate_for(hidden_size: int | None) -> float:
+    """The default learning rate of a model of this hidden size (None: LR_FALLBACK), 3 significant digits.
+
+    Never above LR_ANCHOR: smaller models than the one measured (the test model `tiny`) are not
+    extrapolated to larger rates.
+    """
+    if not hidden_size or hidden_size <= 0:
+        return LR_FALLBACK
+    return float(f"{LR_ANCHOR * min(1.0, LR_ANCHOR_HIDDEN / hidden_size) ** LR_EXPONENT:.3g}")
 
 
 class TrainerConfig(BaseModel):
@@ -15,6 +34,18 @@ class TrainerConfig(BaseModel):
     groups_per_step: int = Field(1, ge=1, description="ready groups taken by one optimizer step")
     group_timeout: float = Field(
         600.0, gt=0, description="seconds after a group's newest run when it is ready with >= 2 runs"
+    )
+    # live traffic: runs still alone in their group group_timeout after their reward (status `ungrouped`)
+    singletons: Literal["ungrouped", "train"] = Field(
+        "ungrouped",
+        description="runs alone in their group past group_timeout become status `ungrouped`; train = "
+        "then train them in batches, each run's advantage against its batch's mean reward (REINFORCE++)",
+    )
+    singleton_batch: int = Field(
+        16,
+        ge=2,
+        description="ungrouped runs of one policy per step with singletons=train (>= 2 are taken once the "
+        "newest has waited another group_timeout)",
     )
     # advantages and loss
     loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field("grpo", description="policy-gradient loss")
@@ -69,7 +100,12 @@ class TrainerConfig(BaseModel):
         default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="module names that get LoRA weights",
     )
-    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    learning_rate: float | None = Field(
+        None,
+        gt=0,
+        description="AdamW learning rate; None = by model size, 1e-3 x (576 / hidden_size) ** 0.75: 1e-3 for "
+        "SmolLM2-135M, 3.9e-4 for Qwen2.5-3B (see README, Training)",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient-norm clip")
     micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward; bounds memory")
@@ -82,6 +118,14 @@ class TrainerConfig(BaseModel):
     keep_checkpoints: int = Field(
         3, ge=1, description="newest checkpoints kept on disk (and adapters served)"
     )
+    keep_best: bool = Field(
+        True,
+        description="also keep the checkpoint whose adapter scored the best mean reward on validation runs "
+        "(X-Split: val; the `validation` view), however old",
+    )
+    val_min_runs: int = Field(
+        1, ge=1, description="validation runs an adapter step needs before it can be the best checkpoint"
+    )
     unload_grace: float = Field(
         30.0, ge=0, description="seconds an old adapter stays loaded after a newer one"
     )
@@ -89,3 +133,19 @@ class TrainerConfig(BaseModel):
     train_threads: int | None = Field(
         None, ge=1, description="torch threads for training; None = torch's default"
     )
+    # where each step's metrics also go (training_steps always has them); see trainer/reporting.py
+    report_to: str = Field(
+        "",
+        description="comma list of trackers that also get each step's metrics: tensorboard, wandb, mlflow "
+        "(pip install 'rlproxy[tensorboard]', ...); empty = the database only",
+    )
+    metrics_log_dir: str = Field(
+        "logs", description="folder of TensorBoard event files ({dir}/{policy}/) and W&B's local files"
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _known_trackers(cls, value: str) -> str:
+        from rlproxy.trainer.reporting import parse_report_to
+
+        return ",".join(parse_report_to(value))

@@ -9,6 +9,7 @@ Read top to bottom, like the papers:
     surrogate       l_t = -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A)
     dual clip       l_t = min(l_t, -C A) where A < 0   (C = ratio_cap: stale samples cannot take C x the step)
     KL (k3)         kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (Schulman's k3, >= 0)
+    entropy         H_t = -sum_v pi(v) log pi(v) at each sampled position (a metric: collapse shows here)
     per token       l_t + beta kl_t
     aggregation     grpo    mean over sequences of the per-sequence token mean
                     dr_grpo sum over all tokens / (sequences * max_len)  (max_len a constant: no length bias)
@@ -57,6 +58,29 @@ def sampled_logprobs(logits: Tensor, targets: Tensor, temperature: Tensor | None
     if temperature is not None:
         logits = logits / temperature.to(logits).view(-1, 1, 1)
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def token_entropy(logits: Tensor, temperature: Tensor | None = None, chunk: int = 256) -> Tensor:
+    """Entropy (nats) of the tempered next-token distribution at each position: (B, C, V) -> (B, C).
+
+    A metric, without gradient, from the logits the loss already has: H = logsumexp(z) - E_pi[z].
+    Computed `chunk` positions at a time, so it never holds more than a few (chunk, V) float copies
+    (a whole (B, C, V) fp32 copy of a 150k vocabulary is gigabytes).
+    """
+    B, C, _ = logits.shape
+    out = torch.empty(B, C, dtype=torch.float32, device=logits.device)
+    with torch.no_grad():
+        for b in range(B):
+            t = None if temperature is None else float(temperature[b])
+            for c0 in range(0, C, chunk):
+                z = logits[b, c0 : c0 + chunk].float()  # (c, V)
+                if t is not None:
+                    z = z / t
+                lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (c, 1)
+                p = torch.exp(z - lse)
+                expected = torch.where(p > 0, p * z, 0.0).sum(-1)  # a -inf logit adds 0, not NaN
+                out[b, c0 : c0 + chunk] = lse.squeeze(-1) - expected
+    return out
 
 
 def behavior_logprobs(

@@ -3,7 +3,8 @@
 (Over 400 lines on purpose: select → train → save → load → commit → publish, plus crash recovery,
 is one ordering contract, and keeping it in one file lets a reader check it top to bottom.)
 
-    poll ──> select ready groups (skip zero-variance ones) ──> load their completions
+    poll ──> lone runs past group_timeout -> `ungrouped` ──> select ready groups (skip zero-variance
+         ones; singletons=train: else a batch of ungrouped runs) ──> load their completions
          ──> [trainer thread] train_step ──> save checkpoint ──> backend.load_adapter("{policy}@{N}")
          ──> commit (runs trained + training_steps row, one transaction) ──> on_publish(policy, N)
          ──> unload "{policy}@{N-K}" after unload_grace seconds
@@ -23,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -36,27 +38,42 @@ from rlproxy.errors import AdapterError
 from rlproxy.inference.backend import Backend, adapter_name
 from rlproxy.storage.db import create_engine
 from rlproxy.storage.errors import StepConflict
+from rlproxy.storage.leader import LeaderLock
 from rlproxy.storage.models import RunStatus
+from rlproxy.storage.queries import run_status_counts
 from rlproxy.storage.training import (
     ReadyGroup,
     RunData,
+    StatusReason,
     commit_step,
+    forget_adapter_paths,
     latest_step,
     load_runs,
     mark_runs,
     ready_groups,
+    singleton_notice,
     skip_groups,
+    ungroup_runs,
+    ungrouped_batch,
 )
+from rlproxy.storage.validation import best_step
 from rlproxy.trainer import checkpoint as ckpt
 from rlproxy.trainer.batches import usable
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.model import load_policy
-from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, train_step
+from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
+from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, step_columns, train_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NONFINITE_RETRIES = 3  # the same runs giving a non-finite step this many times in a row are marked failed
+NOTICE_EVERY = 3600.0  # seconds between two warnings that most rewarded runs are ungrouped
+NOTICE_CHECK_EVERY = 60.0  # seconds between two counts of runs per status for that warning
+# Held from choosing a step number to committing it, by this service and by `rlproxy sft` (another
+# process): two writers of one store never build the same step. A LeaderLock: a file lock next to a
+# SQLite database, an advisory lock on PostgreSQL; a killed holder frees it.
+STEPS_LOCK = "steps"
 
 
 @dataclass
@@ -85,13 +102,22 @@ class TrainerService:
         backend: Backend,
         on_publish: Callable[[str, int], Awaitable[None]] | None = None,
         on_train_state: Callable[[bool], None] | None = None,
+        judge: Any = None,
+        train_fn: Callable[..., StepResult] | None = None,
     ) -> None:
         self.config = config
+        # step.train_step's stand-in, same signature: `rlproxy train --nproc N` runs a step on N ranks
+        self.train_fn = train_fn
+        self.judge = judge  # trainer/judge.py Judge: scores the groups waiting for it before each selection
         self.db_url = db_url
         self.backend = backend
         self.on_publish = on_publish
         self.on_train_state = on_train_state
         self._engine: Any = None
+        # one trainer per store across the fleet: the holder of this lock (others stand by)
+        self.leader = LeaderLock(db_url, "trainer", retry=config.poll_interval)
+        self.steps_lock = LeaderLock(db_url, STEPS_LOCK, retry=config.poll_interval)
+        self._steps_busy = False  # logged once while another process (rlproxy sft) holds steps_lock
         self._executor: ThreadPoolExecutor | None = None
         self._learners: dict[str, Learner] = {}
         self._task: asyncio.Task[None] | None = None
@@ -101,12 +127,23 @@ class TrainerService:
         self.steps_skipped = 0  # steps not taken: loss or gradient not finite
         self._nonfinite: dict[frozenset[str], int] = {}
         self.last_metrics: dict[str, Any] | None = None
+        self._next_notice = 0.0  # time.monotonic() before which the singletons warning stays quiet
+        self._flat_groups = 0  # zero-variance groups skipped since the last committed step
+        # trackers named in report_to (a missing package is a ConfigError here, before serving starts)
+        self.reporter = MetricsReporter(
+            parse_report_to(config.report_to), config.metrics_log_dir, resolved_config(config)
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Recover a step a crash left uncommitted, then poll for ready groups in the background."""
-        await self.recover()
+        """Take the leader lock, recover a step a crash left uncommitted, then poll for ready groups in
+        the background. When another process holds the lock this one stands by (in the background) and
+        takes over when that process dies (storage/leader.py)."""
+        if await self.leader.try_acquire():
+            log.info("leader: this process trains (%s)", self.leader.where)
+            await self.recover()
+            await self._warn_singletons()
         self._task = asyncio.create_task(self._loop(), name="rlproxy-trainer")
 
     async def stop(self) -> None:
@@ -127,9 +164,19 @@ class TrainerService:
             if self._engine is not None:
                 await self._engine.dispose()
                 self._engine = None
+            if self.reporter:
+                await asyncio.to_thread(self.reporter.close)
+            if self.judge is not None:
+                await self.judge.close()
+            await self.leader.release()
 
     async def _loop(self) -> None:
         while True:
+            if not await self.leader.still_held():  # standby: wait for the leader to go, then recover
+                self._learners.clear()  # the leader's steps moved the weights on: reload from checkpoints
+                await self.leader.acquire()
+                await self.recover()
+                await self._warn_singletons()
             try:
                 metrics = await self.step_once()
             except asyncio.CancelledError:
@@ -159,7 +206,9 @@ class TrainerService:
 
     async def step_once(self) -> dict[str, Any] | None:
         """Train and publish one step if groups are ready; its metrics, or None when nothing was ready."""
-        async with self._lock:
+        async with self._lock, self._steps_held() as held:
+            if not held:  # another process builds a step (rlproxy sft): wait for its commit
+                return None
             await self._recover_locked()
             engine = self._db()
 
@@ -170,7 +219,12 @@ class TrainerService:
             policy = runs[0].policy
             run_ids = [r.run_id for r in runs]
             learner = await self._learner(policy)
-            step = max(learner.step, await latest_step(engine, policy)) + 1
+            db_step = await latest_step(engine, policy)
+            if db_step > learner.step and self._newer_checkpoint(policy, learner.step):
+                # another process moved the policy on (rlproxy sft): train its weights, not ours
+                self._learners.pop(policy, None)
+                learner = await self._learner(policy)
+            step = max(learner.step, db_step) + 1
             started_at = datetime.now(UTC)
             t0 = time.perf_counter()
 
@@ -178,7 +232,7 @@ class TrainerService:
             self._train_state(True)
             try:
                 result = await self._run(
-                    train_step,
+                    self.train_fn or train_step,
                     learner.model,
                     learner.tokenizer,
                     learner.optimizer,
@@ -188,6 +242,7 @@ class TrainerService:
                 )
                 if result.skipped:  # weights and optimizer untouched: nothing to save or publish
                     return await self._skipped(policy, run_ids, result)
+                result.metrics.update(self._selection_metrics(result))
                 # 3. checkpoint: adapter + optimizer + trainer state, atomically, before any publishing
                 state = {
                     "run_ids": run_ids,
@@ -209,7 +264,7 @@ class TrainerService:
                     state,
                 )
             except StaleRuns as exc:
-                n = await mark_runs(engine, run_ids, RunStatus.skipped)
+                n = await mark_runs(engine, run_ids, RunStatus.skipped, StatusReason.stale)
                 log.warning("marked %d run(s) skipped: %s", n, exc)
                 return None
             except BaseException:
@@ -224,11 +279,35 @@ class TrainerService:
             # 4. publish: backend.load_adapter -> commit (exactly once) -> on_publish flips the alias
             result.metrics["perf/step_seconds"] = time.perf_counter() - t0
             await self._publish(saved, run_ids, result, started_at)
+            self._flat_groups = 0
             self._log_progress(policy, step, result, time.perf_counter() - t0)
+            await self._report(policy, step, result)
             out = {"policy": policy, "step": step, "adapter_path": str(saved.path), **result.metrics}
             self.last_metrics = out
             self.steps_done += 1
             return out
+
+    @asynccontextmanager
+    async def _steps_held(self) -> AsyncIterator[bool]:
+        """Hold STEPS_LOCK for one step (or recovery); yields False, holding nothing, while another
+        process holds it."""
+        held = await self.steps_lock.try_acquire()
+        if held != (not self._steps_busy):
+            self._steps_busy = not held
+            log.info(
+                "another process builds a step (rlproxy sft): training waits"
+                if not held
+                else "steps lock free again"
+            )
+        try:
+            yield held
+        finally:
+            if held:
+                await self.steps_lock.release()
+
+    def _newer_checkpoint(self, policy: str, step: int) -> bool:
+        last = ckpt.latest_checkpoint(self.config.checkpoint_dir, policy)
+        return last is not None and last.step > step
 
     async def _skipped(self, policy: str, run_ids: list[str], result: StepResult) -> None:
         """A step with a non-finite loss or gradient: counted and logged; its runs stay trainable,
@@ -240,7 +319,7 @@ class TrainerService:
         tries = self._nonfinite[key] = self._nonfinite.get(key, 0) + 1
         if tries >= NONFINITE_RETRIES:
             self._nonfinite.pop(key)
-            n = await mark_runs(self._db(), run_ids, RunStatus.failed)
+            n = await mark_runs(self._db(), run_ids, RunStatus.failed, StatusReason.nonfinite)
             log.warning("marked %d run(s) failed: %d non-finite steps in a row", n, tries)
         else:
             log.warning(
@@ -262,27 +341,76 @@ class TrainerService:
                 return runs
             # rewarded, but nothing sampled was stored (errors only, or no completion): never trainable;
             # select again, so the groups' readiness and variance are judged without them
-            await mark_runs(self._db(), empty, RunStatus.failed)
+            await mark_runs(self._db(), empty, RunStatus.failed, StatusReason.no_usable_completion)
             log.warning("marked %d run(s) failed: no usable completion stored", len(empty))
         return []
 
     async def _select(self) -> list[ReadyGroup]:
         cfg = self.config
+        # runs alone in their group past group_timeout leave `completed` first (status ungrouped), so
+        # the reads below only ever see runs younger than a timeout and groups waiting for a step
+        await self._ungroup()
+        if self.judge is not None:  # rewards from the judge first: its groups then select like any other
+            await self.judge.judge_ready(
+                self._db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout
+            )
         groups = await ready_groups(self._db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout)
+        if self.judge is not None:  # judge=always: app rewards wait until the judge has scored them
+            groups = [g for g in groups if not self.judge.needs_judge(g.policy, g.sources)]
         flat = [g for g in groups if g.zero_variance]
         if flat:
+            self._flat_groups += len(flat)  # counted in the next step's zero_variance_frac
             n = await skip_groups(self._db(), flat)
             log.info(
                 "skipped %d zero-variance group(s) (%d runs): equal rewards carry no gradient", len(flat), n
             )
         groups = [g for g in groups if not g.zero_variance]
         if not groups:
-            return []
+            return await self._ungrouped_batch()
         mine = [g for g in groups if g.policy == groups[0].policy]
         waited = (datetime.now(UTC) - mine[0].newest_at).total_seconds()
         if len(mine) < cfg.groups_per_step and waited < cfg.group_timeout:
-            return []  # wait for a full step, but not forever
+            return await self._ungrouped_batch()  # wait for a full step, but not forever
         return mine[: cfg.groups_per_step]
+
+    async def _ungroup(self) -> None:
+        n = await ungroup_runs(self._db(), group_timeout=self.config.group_timeout)
+        if n:
+            log.info(
+                "%d run(s) ungrouped: no other run of their group within group_timeout (%.0f s); %s",
+                n,
+                self.config.group_timeout,
+                "they train in batches" if self.config.singletons == "train" else "not trained",
+            )
+            await self._warn_singletons()
+
+    async def _warn_singletons(self) -> None:
+        """Warn (at most every NOTICE_EVERY seconds) when most rewarded runs are ungrouped, saying what
+        to set; not with singletons=train, which trains them."""
+        now = time.monotonic()
+        if self.config.singletons == "train" or now < self._next_notice:
+            return
+        self._next_notice = now + NOTICE_CHECK_EVERY  # counting every run's status is not free
+        notice = singleton_notice(await run_status_counts(self._db()))
+        if notice:
+            self._next_notice = now + NOTICE_EVERY
+            log.warning(notice)
+
+    async def _ungrouped_batch(self) -> list[ReadyGroup]:
+        """singletons=train: the next batch of ungrouped runs, trained against its own mean reward."""
+        cfg = self.config
+        if cfg.singletons != "train":
+            return []
+        # full batches first; a short one once its newest run has sat ungrouped another group_timeout
+        batch = await ungrouped_batch(self._db(), batch_size=cfg.singleton_batch, wait=2 * cfg.group_timeout)
+        if batch is None:
+            return []
+        if batch.zero_variance:
+            self._flat_groups += 1  # counted in the next step's zero_variance_frac, like a flat group
+            n = await skip_groups(self._db(), [batch])
+            log.info("skipped a batch of %d ungrouped run(s): equal rewards carry no gradient", n)
+            return []
+        return [batch]
 
     async def _learner(self, policy: str) -> Learner:
         if policy not in self._learners:
@@ -306,7 +434,12 @@ class TrainerService:
                 log.exception("on_train_state(%s) failed", training)
 
     async def _publish(
-        self, saved: ckpt.Checkpoint, run_ids: list[str], result: StepResult, started_at: datetime | None
+        self,
+        saved: ckpt.Checkpoint,
+        run_ids: list[str],
+        result: StepResult,
+        started_at: datetime | None,
+        kind: str = "grpo",
     ) -> None:
         """Backend first (so the alias never points at a missing adapter), then the commit, then the alias."""
         policy, step = saved.policy, saved.step
@@ -326,6 +459,7 @@ class TrainerService:
                 loss=result.loss,
                 metrics=result.metrics,
                 config=resolved_config(self.config),
+                columns={**step_columns(result.metrics), "kind": kind},
             )
         except StepConflict:
             # the step belongs to nobody: forget its weights and its adapter, keep the last committed ones
@@ -335,8 +469,14 @@ class TrainerService:
             raise
         if self.on_publish is not None:
             await self.on_publish(policy, step)
-        # deleting old checkpoint folders is disk work: off the event loop
-        await asyncio.to_thread(ckpt.prune, self.config.checkpoint_dir, policy, self.config.keep_checkpoints)
+        # deleting old checkpoint folders is disk work: off the event loop; their rows then name no folder
+        # the best adapter by validation reward stays too (keep_best; storage/validation.py)
+        best = await best_step(self._db(), policy, min_runs=self.config.val_min_runs)
+        protect = (best,) if best is not None and self.config.keep_best else ()
+        pruned = await asyncio.to_thread(
+            ckpt.prune, self.config.checkpoint_dir, policy, self.config.keep_checkpoints, protect
+        )
+        await forget_adapter_paths(self._db(), policy, pruned)
         old = step - self.config.keep_checkpoints
         if old >= 1:
             task = asyncio.create_task(self._unload(adapter_name(policy, old), self.config.unload_grace))
@@ -356,8 +496,8 @@ class TrainerService:
 
     async def recover(self) -> list[tuple[str, int]]:
         """Commit checkpoints whose step the database lacks (a crash between save and commit)."""
-        async with self._lock:
-            return await self._recover_locked()
+        async with self._lock, self._steps_held() as held:
+            return await self._recover_locked() if held else []
 
     async def _recover_locked(self) -> list[tuple[str, int]]:
         root = self.config.checkpoint_dir
@@ -389,7 +529,11 @@ class TrainerService:
             )
             try:
                 await self._publish(
-                    last, state["run_ids"], result, datetime.fromisoformat(started) if started else None
+                    last,
+                    state["run_ids"],
+                    result,
+                    datetime.fromisoformat(started) if started else None,
+                    state.get("kind", "grpo"),  # an `rlproxy sft` step a crash left uncommitted stays sft
                 )
             except StepConflict as exc:
                 log.warning("discarded uncommitted checkpoint %s: %s", last.path, exc)
@@ -404,20 +548,23 @@ class TrainerService:
 
     # ------------------------------------------------------------------ feedback
 
+    def _selection_metrics(self, r: StepResult) -> dict[str, float]:
+        """What only the service knows: the zero-variance groups it skipped since the last step.
+
+        zero_variance_frac = (skipped groups + this step's equal-reward groups) / (skipped + this step's).
+        """
+        flat_here = r.metrics.get("reward/frac_zero_std", 0.0) * r.num_groups
+        seen = self._flat_groups + r.num_groups
+        return {
+            "reward/groups_skipped": float(self._flat_groups),
+            "reward/zero_variance_frac": (self._flat_groups + flat_here) / seen if seen else 0.0,
+        }
+
     def _log_progress(self, policy: str, step: int, r: StepResult, seconds: float) -> None:
-        m = r.metrics
-        log.info(
-            "step %d %s: %d groups, %d runs, %d tokens, reward %.3f, loss %.4f, kl %.4f, clip %.3f, "
-            "%.1f s, lag %.1f",
-            step,
-            policy,
-            r.num_groups,
-            r.num_runs,
-            r.num_tokens,
-            r.mean_reward,
-            r.loss,
-            m.get("kl/ref", m.get("kl/approx", 0.0)),
-            m.get("clip/frac", 0.0),
-            seconds,
-            m.get("perf/policy_lag_mean", 0.0),
-        )
+        log.info("%s", progress_line(policy, step, r, seconds))
+
+    async def _report(self, policy: str, step: int, r: StepResult) -> None:
+        """The step's metrics to the trackers of `report_to` (file/network I/O: off the event loop)."""
+        if self.reporter:
+            metrics = {**r.metrics, "reward/mean": r.mean_reward, "loss/total": r.loss}
+            await asyncio.to_thread(self.reporter.log, policy, step, metrics)

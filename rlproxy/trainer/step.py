@@ -18,21 +18,24 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlproxy.errors import TrainerError
 from rlproxy.storage.training import RunData
 from rlproxy.trainer import losses
-from rlproxy.trainer.batches import build_samples, micro_batches
-from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.batches import baseline_index, build_samples, micro_batches
+from rlproxy.trainer.config import TrainerConfig, learning_rate_for
 from rlproxy.trainer.model import (
     completion_logits,
     default_temperature,
     reference_logprobs,
     trainable_parameters,
 )
+
+if TYPE_CHECKING:
+    from rlproxy.trainer.distributed import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +61,14 @@ class StepResult:
 
 
 def make_optimizer(model: Any, config: TrainerConfig) -> torch.optim.Optimizer:
-    """AdamW over the LoRA weights only."""
-    return torch.optim.AdamW(
-        trainable_parameters(model), lr=config.learning_rate, weight_decay=config.weight_decay
-    )
+    """AdamW over the LoRA weights only; learning_rate None = by the model's hidden size."""
+    lr = config.learning_rate
+    if lr is None:
+        cfg = model.config
+        text_config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # multimodal: its LM
+        lr = learning_rate_for(getattr(text_config, "hidden_size", None))
+        log.info("learning rate %g (by model size; set learning_rate to choose)", lr)
+    return torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=config.weight_decay)
 
 
 def train_step(
@@ -71,19 +78,21 @@ def train_step(
     runs: list[RunData],
     config: TrainerConfig,
     current_step: int = 0,
+    ranks: Ranks | None = None,
 ) -> StepResult:
     """Train one step on `runs` (all of one policy; their group_id says which group each is in).
 
     `current_step` is the adapter step being improved (0 = base): the policy lag of a sample is
-    current_step minus the step that sampled it.
+    current_step minus the step that sampled it. With `ranks` (a `rlproxy train --nproc N` job) this
+    rank runs only its share of the samples and the gradients are summed over ranks before the clip;
+    only rank 0 steps the optimizer (distributed.py).
     """
     started = time.perf_counter()
     model.train()
     eps_low, eps_high = losses.clip_range(config.loss, config.epsilon, config.epsilon_high)
 
-    # 1. advantages: each run's reward normalized within its group
-    group_ids = list(dict.fromkeys(r.group_id for r in runs))
-    group_index = torch.tensor([group_ids.index(r.group_id) for r in runs])
+    # 1. advantages: each run's reward normalized within its group (ungrouped runs: within their batch)
+    group_ids, group_index = baseline_index(runs)
     rewards = torch.tensor([r.reward for r in runs], dtype=torch.float64)
     adv, metrics = losses.advantages(rewards, group_index, config.scale_rewards)
     adv_of = {r.run_id: float(a) for r, a in zip(runs, adv.tolist(), strict=True)}
@@ -103,8 +112,9 @@ def train_step(
         raise StaleRuns(f"all {counts.stale} samples of {len(runs)} runs are older than max_policy_lag")
     if not samples:
         raise TrainerError(f"none of {len(runs)} runs has a completion to train on")
-    batches = micro_batches(samples, config.micro_batch_size, tokenizer.pad_token_id)
-    total_tokens = sum(b.num_tokens for b in batches)
+    total_tokens = sum(len(s.completion_ids) for s in samples)  # the step's, on every rank
+    mine = samples if ranks is None else ranks.share(samples, runs)
+    batches = micro_batches(mine, config.micro_batch_size, tokenizer.pad_token_id) if mine else []
     metrics.update(counts.metrics())
 
     # 3. reference log-probs: the base model (adapter off), only when the KL term is on
@@ -123,6 +133,7 @@ def train_step(
         targets = batch.completion_ids.to(logits.device)
         logp = losses.sampled_logprobs(logits, targets, batch.temperature)  # (B, C) the tempered policy
         raw = logp if batch.temperature is None else losses.sampled_logprobs(logits.detach(), targets)
+        entropy = losses.token_entropy(logits.detach(), batch.temperature)  # (B, C) a metric, no grad
         del logits
         stored = batch.old_logp.to(logp.device)
         old_logp = losses.behavior_logprobs(logp, raw, stored, config.sampling_logprobs)
@@ -139,6 +150,7 @@ def train_step(
             max_len=config.max_seq_len,
             ratio_cap=config.ratio_cap,
         )
+        m["entropy/mean"] = losses.masked_mean(entropy, batch.mask.to(entropy.device)).item()
         w = losses.batch_weight(config.loss, batch.mask, len(samples), total_tokens)
         (loss * w).backward()
         loss_total += loss.item() * w
@@ -152,7 +164,16 @@ def train_step(
             lag0_kl += losses.approx_kl((logp - old_logp).detach(), known).item() * known.sum().item()
             lag0_tokens += known.sum().item()
 
+    # 4b. several ranks: sum the gradients and the scalars (each rank's loss is already divided by
+    #     the step's totals, so the sum is the single-process gradient)
+    n_micro = len(batches)
+    if ranks is not None:
+        loss_total, sums, (lag0_kl, lag0_tokens), n_micro = ranks.reduce(
+            model, loss_total, sums, (lag0_kl, lag0_tokens), n_micro
+        )
+
     # 5. clip: one global grad-norm bound keeps a lucky group from blowing up the adapter
+    #    (clip_grad_norm_ returns the norm before clipping: that is the number logged)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), config.max_grad_norm)
 
     # 6. optimizer step, only on a finite loss and gradient: one bad sample must not wreck the adapter
@@ -161,7 +182,7 @@ def train_step(
         log.warning(
             "step skipped: loss %s, grad norm %s not finite; weights unchanged", loss_total, float(grad_norm)
         )
-    else:
+    elif ranks is None or ranks.leader:  # followers only compute: rank 0 broadcasts its weights
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -194,12 +215,16 @@ def train_step(
             "perf/seconds": seconds,
             "perf/input_tokens": float(input_tokens),
             "perf/tokens_per_s": input_tokens / max(seconds, 1e-9),
-            "perf/micro_batches": float(len(batches)),
+            "perf/micro_batches": float(n_micro),
             "perf/policy_lag_mean": sum(lags) / len(lags),
             "perf/policy_lag_max": float(max(lags)),
+            "batch/completion_len_mean": counts.sampled_tokens / max(counts.samples, 1),
             "reward/groups": float(len(group_ids)),
         }
     )
+    metrics["kl/step"] = metrics.get("kl/ref", metrics.get("kl/approx", 0.0))
+    # the groups of this step with equal rewards; the service adds the ones it skipped before the step
+    metrics.setdefault("reward/zero_variance_frac", metrics["reward/frac_zero_std"])
     return StepResult(
         num_groups=len(group_ids),
         num_runs=len(runs),
@@ -209,3 +234,29 @@ def train_step(
         metrics=metrics,
         skipped=skipped,
     )
+
+
+# The `training_steps` columns (migration 0005) and the metric each one copies. `kl/step` is the KL to
+# the base model (k3) when beta > 0, else the approximate KL to the sampling policy (free: no ref pass).
+COLUMN_METRICS: dict[str, str] = {
+    "reward_std": "reward/std",
+    "zero_variance_frac": "reward/zero_variance_frac",
+    "kl": "kl/step",
+    "clip_frac_low": "clip/low_frac",
+    "clip_frac_high": "clip/high_frac",
+    "entropy": "entropy/mean",
+    "completion_len_mean": "batch/completion_len_mean",
+    "policy_lag_mean": "perf/policy_lag_mean",
+    "tokens_per_s": "perf/tokens_per_s",
+    "grad_norm": "loss/grad_norm",
+}
+
+
+def step_columns(metrics: dict[str, Any]) -> dict[str, float | None]:
+    """The per-step metric columns of a step's namespaced metrics; missing or non-finite values are None."""
+    out: dict[str, float | None] = {}
+    for column, key in COLUMN_METRICS.items():
+        value = metrics.get(key)
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        out[column] = float(value) if ok else None
+    return out

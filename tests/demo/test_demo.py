@@ -23,13 +23,20 @@ def test_fast_demo_writes_a_sane_summary(tmp_path: Path, cache_dir: Path, monkey
 
     on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
-    assert summary["steps"] == 3 and len(summary["rows"]) == 3
+    assert summary["groups"] == 3 and len(summary["rows"]) == 3
     for key in ("first3_mean_reward", "last3_mean_reward"):
         assert 0.0 <= summary[key] <= 1.0
     assert 0 < summary["minutes"] < 5
-    assert summary["model"] == "tiny" and summary["stop_reason"] == "max_steps"
+    assert summary["model"] == "tiny" and summary["stop_reason"] == "max_groups"
     assert 50 < summary["peak_rss_mb"] < 8000
     assert all(r["runs"] == 4 and r["status"] in ("trained", "skipped") for r in summary["rows"])
+    # every setting the demo changed is printed and stored, with its default
+    changed = summary["settings_changed"]
+    assert "group_size" not in changed  # fast: groups of 4, the default
+    assert changed["poll_interval"] == {"value": 0.2, "default": 1.0, "source": "demo"}
+    assert "learning_rate" not in changed  # the demo trains with serve's default (by model size)
+    printed = [line for line in lines if line.startswith("settings changed from the defaults: ")]
+    assert printed and all("poll_interval=0.2 (default 1.0)" in line for line in printed)
     plot = Path(summary["plot"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -38,9 +45,14 @@ def test_fast_demo_writes_a_sane_summary(tmp_path: Path, cache_dir: Path, monkey
         n_runs, n_rewarded = db.execute("SELECT count(*), count(reward) FROM runs").fetchone()
         calls = db.execute("SELECT DISTINCT n_completions FROM trajectories").fetchall()
         db.execute(summary["sql"].splitlines()[0]).fetchall()
+        steps = db.execute("SELECT step, adapter_path FROM training_steps ORDER BY step").fetchall()
     assert (n_runs, n_rewarded) == (12, 12)
     assert calls == [(2,)]
-    assert any("step   3" in line for line in lines) and any("sqlite3" in line for line in lines)
+    assert any("group   3" in line for line in lines) and any("sqlite3" in line for line in lines)
+    # the rows' steps are the trainer's; a pruned step's adapter_path names no deleted folder
+    assert [r["step"] for r in summary["rows"] if r["step"] is not None] == [s for s, _ in steps]
+    assert all(path is None or Path(path).is_dir() for _, path in steps)
+    assert len(steps) < 3 or steps[0][1] is None  # keep_checkpoints=2: step 1 was pruned
 
     # the server is stopped
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before

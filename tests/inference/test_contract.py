@@ -231,3 +231,165 @@ def test_bad_requests_do_not_kill_the_server(client: openai.OpenAI, backend: Any
     assert bad_json.status_code == 400
     assert set(bad_json.json()["error"]) >= {"message", "type", "param", "code"}
     assert chat(client, backend).choices[0].message.role == "assistant"
+
+
+# ---------------------------------------------------------------------------------------------
+# POST /v1/responses, directly on each backend: the fields the Agents SDK reads, not byte equality.
+# Where the backends differ, the assertion says so: vLLM ends a stream that hit max_output_tokens with
+# `response.completed` (status "incomplete" inside), OpenAI and the embedded engine with
+# `response.incomplete`; vLLM keeps responses for `previous_response_id` only with
+# VLLM_ENABLE_RESPONSES_API_STORE=1, which rlproxy's launcher leaves off (the proxy serves chains from
+# its SQL store over chat completions, and vLLM's store never evicts).
+
+INSTRUCTIONS = "Answer in one word."
+TERMINAL = {"response.completed", "response.incomplete"}
+
+
+@pytest.fixture(scope="session")
+def tool_adapter(tiny_model_dir: Path, cache_dir: Path) -> Path:
+    """A LoRA that makes the tiny model call `get_time` (tests/tool_adapter.py; cached across sessions)."""
+    import torch
+    from tool_adapter import CACHE_NAME, make_tool_checkpoint
+
+    torch.set_num_threads(1)
+    return make_tool_checkpoint(tiny_model_dir, cache_dir / CACHE_NAME, "tiny")
+
+
+def respond(client: openai.OpenAI, backend: Any, **kw: Any) -> Any:
+    args: dict[str, Any] = {
+        "model": backend.served_model,
+        "input": "What is the capital of France?",
+        "instructions": INSTRUCTIONS,
+        "max_output_tokens": 12,
+        "temperature": 0.0,
+    }
+    args.update(kw)
+    return client.responses.create(**args)
+
+
+def test_responses_text_is_the_chat_answer(client: openai.OpenAI, backend: Any) -> None:
+    r = respond(client, backend)
+    assert r.object == "response" and r.id.startswith("resp") and r.model == backend.served_model
+    assert r.instructions == INSTRUCTIONS and r.max_output_tokens == 12
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert r.status in ("completed", "incomplete")
+    assert (r.status == "incomplete") == (r.incomplete_details is not None)
+    if r.incomplete_details is not None:
+        assert r.incomplete_details.reason == "max_output_tokens"
+    # the same conversation as chat completions, greedy: the same text and token counts
+    messages = [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": PROMPT[0]["content"]},
+    ]
+    c = chat(client, backend, messages=messages, max_tokens=12, temperature=0.0)
+    assert r.output_text == c.choices[0].message.content
+    assert (r.status == "incomplete") == (c.choices[0].finish_reason == "length")
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+    assert r.usage.output_tokens == c.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+
+def test_responses_stream_event_order(client: openai.OpenAI, backend: Any) -> None:
+    whole = respond(client, backend)
+    events = list(respond(client, backend, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ], kinds
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert kinds[4 : 4 + len(deltas)] == ["response.output_text.delta"] * len(deltas) and deltas
+    assert kinds[4 + len(deltas) : -1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ], kinds
+    assert kinds[-1] in TERMINAL
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done, final = events[4 + len(deltas)], events[-1].response
+    assert "".join(deltas) == done.text == final.output_text == whole.output_text
+    assert final.id == events[0].response.id and final.status == whole.status
+    if backend_kind(backend) == "embedded":  # OpenAI's terminal event; vLLM says completed either way
+        assert kinds[-1] == ("response.incomplete" if final.status == "incomplete" else "response.completed")
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_function_tool_call_and_its_output(
+    client: openai.OpenAI, backend: Any, tool_adapter: Path, stream: bool
+) -> None:
+    from tool_adapter import ANSWER, QUESTION, RESPONSES_TOOL
+    from tool_adapter import INSTRUCTIONS as TOLD
+
+    name = f"contract-tools-{stream}"
+    r = _post(backend, "load_lora_adapter", {"lora_name": name, "lora_path": str(tool_adapter)})
+    assert r.status_code == 200, r.text
+    try:
+        args = {"model": name, "instructions": TOLD, "tools": [RESPONSES_TOOL], "max_output_tokens": 32}
+        first = respond(client, backend, input=QUESTION, stream=stream, **args)
+        if stream:
+            events = list(first)
+            kinds = [e.type for e in events]
+            assert kinds[-1] == "response.completed", kinds
+            added = next(e for e in events if e.type == "response.output_item.added")
+            assert added.item.type == "function_call" and added.item.name == "get_time"
+            done = next(e for e in events if e.type == "response.function_call_arguments.done")
+            assert json.loads(done.arguments) == {}
+            assert kinds.index("response.function_call_arguments.done") < kinds.index(
+                "response.output_item.done"
+            )
+            first = events[-1].response
+        assert first.status == "completed" and first.tools[0].name == "get_time"
+        calls = [item for item in first.output if item.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_time" and calls[0].call_id
+        assert json.loads(calls[0].arguments) == {}
+        # the next turn, as an agent loop sends it: the call and its output as input items
+        items = [
+            {"role": "user", "content": QUESTION},
+            {"type": "function_call", "call_id": calls[0].call_id, "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "12:00"},
+        ]
+        second = respond(client, backend, input=items, **args)
+        assert second.status == "completed" and second.output_text == ANSWER
+    finally:
+        assert _post(backend, "unload_lora_adapter", {"lora_name": name}).status_code == 200
+
+
+def test_responses_previous_response_id(client: openai.OpenAI, backend: Any) -> None:
+    first = respond(client, backend, max_output_tokens=4)
+    if backend_kind(backend) == "vllm":  # store off (see above): vLLM forgets every response
+        with pytest.raises(openai.NotFoundError):
+            respond(client, backend, previous_response_id=first.id, input="And of Spain?")
+        return
+    second = respond(client, backend, previous_response_id=first.id, input="And of Spain?")
+    alone = respond(client, backend, input="And of Spain?")
+    assert second.previous_response_id == first.id
+    # the chain's prompt holds the first question and answer too
+    assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    unstored = respond(client, backend, store=False)
+    with pytest.raises(openai.NotFoundError):
+        respond(client, backend, previous_response_id=unstored.id, input="more")
+
+
+def test_responses_bad_input_gets_the_error_shape(client: openai.OpenAI, backend: Any) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        respond(client, backend, previous_response_id="resp_never_made", input="hi")
+    with pytest.raises(openai.BadRequestError) as bad_item:
+        respond(client, backend, input=[{"type": "no_such_item"}])
+    with pytest.raises(openai.NotFoundError):
+        respond(client, backend, model="no-such-model")
+    for err in (missing.value, bad_item.value):
+        body = err.body if "message" in (err.body or {}) else (err.body or {}).get("error", {})
+        assert {"message", "type", "param", "code"} <= set(body), err.body
+    bad_json = httpx.post(
+        f"{backend.base_url}/v1/responses",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert bad_json.status_code == 400 and set(bad_json.json()["error"]) >= {"message", "type", "code"}
+    assert respond(client, backend).object == "response"  # still serving

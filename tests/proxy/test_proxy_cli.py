@@ -86,7 +86,7 @@ def test_runs_table(filled_db):
     out = runner.invoke(app, ["runs", "--db", str(filled_db), "--status", "completed"])
     assert out.exit_code == 0, out.output
     assert any(line.startswith("a ") and "completed" in line for line in out.output.splitlines())
-    assert "(1 rows)" in out.output
+    assert "(1 row)" in out.output
 
 
 def test_sqlite3_cli_reads_trajectories(filled_db):

@@ -69,7 +69,16 @@ async def test_training_steps_and_adapters(sample_engine: AsyncEngine) -> None:
 
 async def test_status_counts(sample_engine: AsyncEngine) -> None:
     counts = await queries.run_status_counts(sample_engine)
-    assert counts == {"open": 1, "completed": 2, "trained": 3, "skipped": 0, "failed": 0, "expired": 0}
+    assert counts == {
+        "open": 1,
+        "completed": 2,
+        "trained": 3,
+        "skipped": 0,
+        "failed": 0,
+        "expired": 0,
+        "ungrouped": 0,
+        "validated": 0,
+    }
 
 
 async def test_expire_runs(engine: AsyncEngine) -> None:

@@ -108,6 +108,7 @@ def markdown() -> str:
     for title, sql in QUERIES.items():
         note = "" if sql in PORTABLE else " (SQLite; on PostgreSQL use the jsonb functions)"
         out.append(f"**{title}**{note}\n")
+        out.append("<!-- test: sql -->\n")  # tests/test_readme.py runs it on a short real run's database
         out.append(f"```sql\n{sql.strip()}\n```\n")
     out.append('Run any of them with `sqlite3 rlproxy.db` or read-only through `rlproxy sql "SELECT ..."`.')
     return "\n".join(out) + "\n"

@@ -155,7 +155,7 @@ async def test_close_drains(engine: AsyncEngine) -> None:
 
 
 async def test_two_writers_share_a_run(engine: AsyncEngine, migrated_url: str) -> None:
-    """Two proxy processes on one database: a stale seq cache is detected and re-read, nothing lost."""
+    """Two proxy processes on one database: seq comes from the run row (runs.next_seq), nothing lost."""
     other = create_engine(migrated_url)
     w1, w2 = Writer(engine, flush_interval=0), Writer(other, flush_interval=0)
     await w1.start()

@@ -3,7 +3,7 @@
 "use strict";
 
 (function () {
-  const STATUSES = ["open", "completed", "trained", "skipped", "failed", "expired"];
+  const STATUSES = ["open", "completed", "ungrouped", "validated", "trained", "skipped", "failed", "expired"];
   const params = new URLSearchParams(window.location.search);
   const state = { key: params.get("key") || localStorage.getItem("rlproxy.key") || "", selected: null };
   const $ = (id) => document.getElementById(id);
@@ -51,8 +51,9 @@
 
   // --- runs per status: GET /v1/runs/stats ---
   async function loadCounts() {
-    const counts = (await api("v1/runs/stats")).by_status;
-    const note = "";
+    const stats = await api("v1/runs/stats");
+    const counts = stats.by_status;
+    const note = stats.notice || ""; // most rewarded runs ungrouped: what to set (README: Live traffic)
     const box = $("counts");
     box.replaceChildren();
     for (const s of [...STATUSES, ...Object.keys(counts).filter((k) => !STATUSES.includes(k))]) {
@@ -66,22 +67,95 @@
     $("counts-note").textContent = note;
   }
 
-  // --- mean reward per training step ---
+  // --- per training step: GET /v1/training/metrics (the metric columns of training_steps) ---
+  // Each chart plots columns of one policy's steps; `svg.dataset.points` says how many points it drew.
+  const CHARTS = [
+    { id: "zero_variance_frac", title: "zero-variance groups", unit: "fraction, skipped ones too", cols: ["zero_variance_frac"], yMin: 0, yMax: 1 },
+    { id: "kl", title: "KL", unit: "per token", cols: ["kl"] },
+    { id: "clip", title: "clipped tokens", unit: "fraction", cols: ["clip_frac_low", "clip_frac_high"], names: ["low", "high"], yMin: 0 },
+    { id: "entropy", title: "entropy", unit: "nats per token", cols: ["entropy"], yMin: 0 },
+    { id: "completion_len_mean", title: "completion length", unit: "tokens", cols: ["completion_len_mean"], yMin: 0 },
+    { id: "policy_lag_mean", title: "policy lag", unit: "adapter steps", cols: ["policy_lag_mean"], yMin: 0 },
+    { id: "tokens_per_s", title: "training throughput", unit: "tokens/s", cols: ["tokens_per_s"], yMin: 0 },
+    { id: "grad_norm", title: "gradient norm", unit: "before clipping", cols: ["grad_norm"], yMin: 0 },
+    { id: "loss", title: "loss", unit: "", cols: ["loss"] },
+  ];
+  const num = (v) => (v === null || v === undefined || v === "" ? NaN : Number(v));
+
+  function chartBoxes() {
+    const box = $("charts");
+    if (box.childElementCount) return;
+    for (const c of CHARTS) {
+      const fig = document.createElement("figure");
+      const cap = text("figcaption", c.title);
+      if (c.unit) cap.append(" ", text("span", `(${c.unit})`));
+      const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+      svg.id = `chart-${c.id}`;
+      svg.setAttribute("class", "chart mini");
+      svg.setAttribute("role", "img");
+      svg.setAttribute("aria-label", `${c.title} per training step`);
+      fig.append(cap, svg);
+      box.append(fig);
+    }
+  }
+
+  function pickPolicy(policies) {
+    const select = $("policy");
+    if (!policies.includes(state.policy)) state.policy = policies[0] || null; // newest step's policy
+    select.replaceChildren(...policies.map((p) => text("option", p)));
+    select.value = state.policy || "";
+    select.hidden = policies.length < 2;
+  }
+
   async function loadSteps() {
-    const steps = items(await api("v1/training/steps?limit=500"), "steps");
+    const body = await api("v1/training/metrics?limit=1000");
+    pickPolicy(body.policies || []);
+    const steps = items(body).filter((s) => s.policy === state.policy);
     const points = steps
-      .filter((s) => s.mean_reward !== null && s.mean_reward !== undefined)
+      .filter((s) => Number.isFinite(num(s.mean_reward)))
+      .map((s) => {
+        const y = num(s.mean_reward);
+        const sd = num(s.reward_std);
+        return {
+          x: Number(s.step),
+          y,
+          lo: y - sd,
+          hi: y + sd,
+          label: `step ${s.step}${s.policy ? ` (${s.policy})` : ""}: mean reward ${fmt(y)}` +
+            (Number.isFinite(sd) ? ` ± ${fmt(sd)}` : ""),
+        };
+      });
+    // validation runs (README: Validation runs): step N's val_reward is the mean reward of the val runs
+    // served by adapter N-1, the one that also sampled most of step N's training runs: same x
+    const val = steps
+      .filter((s) => Number.isFinite(num(s.val_reward)))
       .map((s) => ({
         x: Number(s.step),
-        y: Number(s.mean_reward),
-        label: `step ${s.step}${s.policy ? ` (${s.policy})` : ""}: mean reward ${fmt(Number(s.mean_reward))}`,
+        y: num(s.val_reward),
+        label: `step ${s.step}: validation reward ${fmt(num(s.val_reward))} over ${s.val_runs} runs (adapter ${s.step - 1})`,
       }));
-    const drawn = window.lineChart($("chart"), points, { yMin: 0, yMax: 1, xLabel: "training step" });
+    const series = [{ name: "train", points, cls: "s0" }];
+    if (val.length) series.push({ name: "validation", points: val, cls: "s1" });
+    const opts = { yMin: 0, yMax: 1, xLabel: "training step", band: true };
+    const drawn = window.multiChart($("chart"), series, opts);
     $("chart").dataset.points = String(drawn);
-    const last = steps.reduce((a, s) => (a === null || Number(s.step) > Number(a.step) ? s : a), null);
+    chartBoxes();
+    for (const c of CHARTS) {
+      const series = c.cols.map((col, i) => ({
+        name: c.names ? c.names[i] : col,
+        points: steps
+          .map((s) => ({ x: Number(s.step), y: num(s[col]) }))
+          .map((p) => ({ ...p, label: `step ${p.x}: ${c.names ? `${c.names[i]} ` : ""}${c.title} ${window.tickLabel(p.y)}` })),
+      }));
+      const svg = $(`chart-${c.id}`);
+      svg.dataset.points = String(window.multiChart(svg, series, { yMin: c.yMin, yMax: c.yMax, xLabel: "step" }));
+    }
+    const last = steps.length ? steps[steps.length - 1] : null;
+    const g = (v) => (Number.isFinite(num(v)) ? window.tickLabel(+num(v).toPrecision(3)) : "–");
     $("steps-note").textContent = last
-      ? `${steps.length} steps; latest ${last.step}: mean reward ${fmt(last.mean_reward)}` +
-        (last.loss === null || last.loss === undefined ? "" : `, loss ${fmt(last.loss, 4)}`)
+      ? `${steps.length} steps of ${state.policy}; latest ${last.step}: mean reward ${fmt(last.mean_reward)}` +
+        (last.loss === null || last.loss === undefined ? "" : `, loss ${g(last.loss)}, KL ${g(last.kl)}`) +
+        (Number.isFinite(num(last.val_reward)) ? `, validation ${fmt(last.val_reward)}` : "")
       : "no training step yet";
   }
 
@@ -169,6 +243,10 @@
 
   $("key").value = state.key;
   $("auth").hidden = !state.key;
+  $("policy").addEventListener("change", () => {
+    state.policy = $("policy").value;
+    loadSteps().catch((e) => ($("error").textContent = String(e.message || e)));
+  });
   $("key-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     state.key = $("key").value.trim();

@@ -1,0 +1,147 @@
+"""`POST /v1/responses`: the Responses API served by the proxy over the upstream's chat completions.
+
+The route is a hot route like chat (`routes_openai.complete`): the Responses body is translated
+(`inference/responses.py`) into the chat body the model sees, which then takes the chat path unchanged
+(policy routing, injected `return_token_ids`/`logprobs`, capture, store), and the chat answer is
+translated back: a Responses object, or (streamed) Responses SSE events made from the chat chunks as
+they arrive. So every backend gives exact prompt and sampled token ids and sampling logprobs, text and
+function calls alike.
+
+Stored (see migration 0003): `request`/`response` hold the chat form, `client_request`/
+`client_response` what the client sent and got, `response_id` the id a later `previous_response_id`
+names. A chained request continues from the stored chat messages of the response it names (store
+first, then the writer's queue: a chain may follow its previous turn before that is committed).
+Without a run key of its own, a chained request joins the run of the response it continues.
+`GET /v1/responses/{id}` answers the stored Responses object (`retrieve`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import orjson
+from starlette.responses import Response
+
+from rlproxy.errors import APIError
+from rlproxy.inference.responses import ResponseEvents, ResponsesInputError, chat_request, conversation
+from rlproxy.storage import queries
+
+
+@dataclass(slots=True)
+class Call:
+    """One Responses call on its way through the chat path."""
+
+    body: dict  # the client's Responses body
+    chat: dict  # the chat-completions body made from it (what is forwarded and stored as `request`)
+    run_id: str | None  # the run of the previous response (inherited when the request names none)
+    response_id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def store(self) -> bool:
+        """False when the client said `store: false`: the response cannot be continued later."""
+        return self.body.get("store") is not False
+
+
+async def prepare(px, body: dict) -> Call:
+    """Translate `body` (400 for what cannot be served, 404 for an unknown `previous_response_id`)."""
+    history, run_id = None, None
+    prev_id = body.get("previous_response_id")
+    if prev_id is not None:
+        if not isinstance(prev_id, str):
+            raise APIError(400, "previous_response_id: must be a string", param="previous_response_id")
+        prev = await _stored(px, prev_id)
+        message = ((prev or {}).get("response") or {}).get("choices") or [{}]
+        if prev is None or not isinstance(message[0].get("message"), dict):
+            raise APIError(
+                404,
+                f"Previous response with id '{prev_id}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        history = conversation(prev.get("request") or {}, message[0]["message"])
+        run_id = prev.get("run_id")
+    try:
+        chat = chat_request(body, history)
+    except ResponsesInputError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    return Call(body=body, chat=chat, run_id=run_id)
+
+
+async def _stored(px, response_id: str) -> dict | None:
+    row = _decode(await queries.stored_response(px.engine, response_id))
+    if row is None:  # perhaps still in the writer's queue: the previous turn ended just now
+        try:
+            await asyncio.wait_for(px.writer.flush(), px.settings.store_wait_timeout)
+        except TimeoutError:
+            return None
+        row = _decode(await queries.stored_response(px.engine, response_id))
+    return row
+
+
+def _decode(row: dict | None) -> dict | None:
+    if row is None:
+        return None
+    for key in ("request", "response", "client_response"):
+        if isinstance(row.get(key), str | bytes):  # a driver that hands back JSON text
+            row[key] = orjson.loads(row[key])
+    return row
+
+
+async def retrieve(px, response_id: str) -> Response:
+    """`GET /v1/responses/{response_id}`: the stored Responses object (404 if none, or `store: false`)."""
+    row = await _stored(px, response_id)
+    if row is None or not isinstance(row.get("client_response"), dict):
+        raise APIError(
+            404,
+            f"Response with id '{response_id}' not found.",
+            param="response_id",
+            code="response_not_found",
+        )
+    return Response(orjson.dumps(row["client_response"]), media_type="application/json")
+
+
+def _sse(event: dict) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+class EventStream:
+    """Chat chunks in, the bytes of Responses SSE events out (for `stream.StreamRelay`)."""
+
+    def __init__(self, call: Call, model: str) -> None:
+        self.events = ResponseEvents(
+            call.body, response_id=call.response_id, created_at=call.created_at, model=model
+        )
+        self.ended = False  # a terminal event (completed, incomplete, failed) was sent
+
+    def start(self) -> bytes:
+        return b"".join(map(_sse, self.events.start()))
+
+    def chunk(self, chunk: dict) -> bytes:
+        if self.ended:
+            return b""
+        if "error" in chunk and not chunk.get("choices"):  # the upstream's error event mid-stream
+            err = chunk["error"]
+            return self.fail(err.get("message") if isinstance(err, dict) else str(err))
+        return b"".join(map(_sse, self.events.feed(chunk)))
+
+    def end(self) -> bytes:
+        """The events that end a stream the upstream ended well."""
+        if self.ended:
+            return b""
+        self.ended = True
+        return b"".join(map(_sse, self.events.finish()))
+
+    def fail(self, message: str) -> bytes:
+        """response.failed, for a stream the upstream broke."""
+        if self.ended:
+            return b""
+        self.ended = True
+        return b"".join(map(_sse, self.events.fail(message)))
+
+    @property
+    def response(self) -> dict:
+        return self.events.response

@@ -1,0 +1,302 @@
+"""Supervised fine-tuning (SFT) of a policy's LoRA: `rlproxy sft`, from stored runs or a chat file.
+
+    examples ──> [per epoch] shuffle ──> optimizer steps of `batch_size` examples ──> checkpoint
+             ──> backend.load_adapter (with --upstream) ──> commit (training_steps kind `sft`)
+             ──> every `serve` on the store picks the step up (policies.py poll) and serves it
+
+Examples are (context, target tokens, loss mask). From the store (`--where`, SQL over the
+`trajectories` view) each stored completion is one example with its exact tokens: the prompt the
+server saw (`prompt_token_ids`) as context and the tokens it sampled (`token_ids`) as the target,
+every one of them learned. From a file (OpenAI chat JSONL, `{"messages": [...], "tools": [...]}`)
+the chat template renders the conversation and only the assistant turns are learned, each through its
+end-of-turn token (so the model also learns to stop); system, user and tool turns are context.
+
+One `rlproxy sft` is one published step (one `training_steps` row, kind `sft`, num_runs 0: the runs
+it learned from keep their status) however many optimizer steps it takes inside. It continues the
+policy's newest checkpoint (adapter and AdamW moments) and numbers its step after the newest one.
+
+Another process may train the same store meanwhile (`serve`'s trainer): both hold the store's steps
+lock (service.STEPS_LOCK) from choosing a step number to committing it, so they never build the same
+step, and `serve`'s trainer reloads the weights when it finds a step it did not make. A crash after
+the checkpoint is saved leaves a step `serve` commits on its next poll (kind `sft`, from its state).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlproxy.errors import ConfigError, TrainerError
+from rlproxy.storage.training import RunData
+from rlproxy.trainer import losses
+from rlproxy.trainer.batches import Batch, Sample, collate, prompt_ids, usable
+from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.model import completion_logits, trainable_parameters
+
+log = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class SFTExample:
+    """One sequence to learn: `context` is never a target; `target[i]` is learned where `mask[i]` is 1."""
+
+    context: list[int]
+    target: list[int]
+    mask: list[float]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.mask))
+
+
+@dataclass
+class SFTBatch:
+    """Padded examples: the GRPO layout (context left-padded to P, target right-padded to C) plus the
+    loss mask; `batch.mask` stays 1 on every real target token, since it is also the attention mask."""
+
+    batch: Batch
+    loss_mask: Tensor  # (B, C) 1.0 on the tokens learned
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+
+# ---------------------------------------------------------------------------------------- examples
+
+
+def read_chats(path: str | Path) -> list[dict[str, Any]]:
+    """The chats of an OpenAI chat JSONL file (`{"messages": [...], "tools": [...]?}` per line).
+
+    Raises ConfigError naming the line of the first malformed chat.
+    """
+    chats = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            chat = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{n}: not JSON: {exc.msg}") from None
+        messages = chat.get("messages") if isinstance(chat, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError(f'{path}:{n}: expected {{"messages": [...]}} (OpenAI chat format)')
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+                raise ConfigError(f"{path}:{n}: every message needs a role in {CHAT_ROLES}, got {m!r:.80}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ConfigError(f"{path}:{n}: no assistant message: nothing to learn")
+        chats.append(chat)
+    if not chats:
+        raise ConfigError(f"{path}: no chats")
+    return chats
+
+
+def chat_example(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None
+) -> SFTExample:
+    """A chat rendered by the chat template, assistant turns learned (each through its end-of-turn token).
+
+    The text is cut at the turn boundaries and each piece tokenized alone: the prompt before an
+    assistant turn is tokenized exactly as the server tokenizes a generation prompt.
+    """
+
+    def render(msgs: list[dict[str, Any]], generation: bool) -> str:
+        return tokenizer.apply_chat_template(
+            msgs, tools=tools or None, add_generation_prompt=generation, tokenize=False
+        )
+
+    pieces: list[tuple[str, bool]] = []  # (text, learned)
+    done = ""  # the text rendered so far
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        before, through = render(messages[:i], True), render(messages[: i + 1], False)
+        if not before.startswith(done) or not through.startswith(before):
+            raise ConfigError("the chat template rewrites earlier turns: cannot mask its assistant turns")
+        answer = through[len(before) :].rstrip("\n")  # the turn through its end-of-turn token
+        pieces += [(before[len(done) :], False), (answer, True)]
+        done = before + answer
+    full = render(messages, False)
+    pieces.append((full[len(done) :] if full.startswith(done) else "", False))
+
+    ids: list[int] = []
+    mask: list[float] = []
+    for text, learned in pieces:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        ids += piece
+        mask += [float(learned)] * len(piece)
+    first = mask.index(1.0) if 1.0 in mask else len(ids)
+    first = max(first, 1)  # the first token has no logits predicting it: it is always context
+    return SFTExample(context=ids[:first], target=ids[first:], mask=mask[first:])
+
+
+def run_examples(runs: list[RunData]) -> list[SFTExample]:
+    """Every stored choice of every usable completion of `runs`, as exact tokens: prompt as context,
+    sampled tokens learned. Completions stored without token ids are left out (logged)."""
+    out: list[SFTExample] = []
+    missing = 0
+    for run in runs:
+        for comp in run.completions:
+            if not usable(comp):
+                continue
+            for choice, tokens in enumerate(comp.token_ids or []):
+                prompt = prompt_ids(comp, choice)
+                if not tokens or not prompt:
+                    missing += 1
+                    continue
+                out.append(SFTExample(context=list(prompt), target=list(tokens), mask=[1.0] * len(tokens)))
+            if not comp.token_ids:
+                missing += 1
+    if missing:
+        log.warning(
+            "%d stored completion(s) without token ids left out (SFT trains on exact tokens)", missing
+        )
+    return out
+
+
+def truncate(example: SFTExample, max_seq_len: int) -> SFTExample | None:
+    """`example` cut to `max_seq_len` tokens at its end; None when its context alone fills them."""
+    keep = max_seq_len - len(example.context)
+    if keep <= 0:
+        return None
+    return SFTExample(example.context, example.target[:keep], example.mask[:keep])
+
+
+def sft_batches(examples: list[SFTExample], size: int, pad_id: int) -> list[SFTBatch]:
+    """Examples cut into padded micro-batches of `size`, in the order given."""
+    out = []
+    for i in range(0, len(examples), size):
+        chunk = examples[i : i + size]
+        samples = [
+            Sample("", 0.0, prompt_ids=e.context, completion_ids=e.target, old_logprobs=[0.0] * len(e.target))
+            for e in chunk
+        ]
+        batch = collate(samples, pad_id)
+        loss_mask = torch.zeros_like(batch.mask)  # (B, C)
+        for row, e in enumerate(chunk):
+            loss_mask[row, : len(e.mask)] = torch.tensor(e.mask)
+        out.append(SFTBatch(batch, loss_mask))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the math
+
+
+def sft_loss(logp: Tensor, loss_mask: Tensor, total_tokens: int) -> tuple[Tensor, dict[str, float]]:
+    """Cross-entropy of the learned tokens: sum of -log p over the mask / `total_tokens` (the optimizer
+    step's learned tokens, so micro-batch losses add up to the step's token mean). logp: (B, C)."""
+    nll = -(logp * loss_mask).sum()
+    n = loss_mask.sum().clamp(min=1)
+    return nll / max(total_tokens, 1), {"loss/nll": (nll / n).item()}
+
+
+def sft_step(
+    model: Any, optimizer: torch.optim.Optimizer, batches: list[SFTBatch], config: TrainerConfig
+) -> dict[str, float]:
+    """One optimizer step of cross-entropy over `batches` (one step's examples); its metrics."""
+    model.train()
+    total = sum(b.num_tokens for b in batches)
+
+    # 1. forward/backward with accumulation: each micro-batch's summed NLL over the step's learned
+    #    tokens, so the summed gradient is the gradient of the step's token-mean cross-entropy
+    optimizer.zero_grad(set_to_none=True)
+    loss_total, correct = 0.0, 0.0
+    for b in batches:
+        logits = completion_logits(model, b.batch)  # (B, C, V)
+        targets = b.batch.completion_ids.to(logits.device)  # (B, C)
+        mask = b.loss_mask.to(logits.device)  # (B, C)
+        logp = losses.sampled_logprobs(logits, targets)  # (B, C)
+        correct += ((logits.detach().argmax(-1) == targets).float() * mask).sum().item()
+        del logits
+        loss, _ = sft_loss(logp, mask, total)
+        loss.backward()
+        loss_total += loss.item()
+
+    # 2. clip: the same global grad-norm bound as a GRPO step
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(model), config.max_grad_norm))
+
+    # 3. optimizer step, only on a finite loss and gradient
+    skipped = not (math.isfinite(loss_total) and math.isfinite(grad_norm))
+    if skipped:
+        log.warning("SFT step skipped: loss %s, grad norm %s not finite", loss_total, grad_norm)
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    # 4. log
+    return {
+        "loss/total": loss_total,
+        "loss/grad_norm": grad_norm,
+        "sft/token_accuracy": correct / max(total, 1),
+        "sft/tokens": float(total),
+        "step/skipped_nonfinite": float(skipped),
+    }
+
+
+@dataclass
+class SFTResult:
+    """What `train_sft` did: the numbers of its `training_steps` row and its metrics."""
+
+    num_examples: int
+    num_tokens: int  # learned tokens per epoch
+    loss: float  # token-mean cross-entropy of the last epoch
+    metrics: dict[str, float]
+
+
+def train_sft(
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    examples: list[SFTExample],
+    config: TrainerConfig,
+    *,
+    epochs: int = 1,
+    batch_size: int = 16,
+    seed: int = 0,
+) -> SFTResult:
+    """`epochs` passes over `examples`, one optimizer step per `batch_size` examples (synchronous torch)."""
+    started = time.perf_counter()
+    kept = [t for e in examples if (t := truncate(e, config.max_seq_len)) is not None and t.num_tokens > 0]
+    if not kept:
+        raise TrainerError(f"none of {len(examples)} examples has a token to learn within max_seq_len")
+    order = random.Random(seed)
+    steps, last = 0, list[dict[str, float]]()
+    for epoch in range(epochs):
+        shuffled = order.sample(kept, len(kept))
+        last = []
+        for i in range(0, len(shuffled), batch_size):
+            step_examples = shuffled[i : i + batch_size]
+            batches = sft_batches(step_examples, config.micro_batch_size, tokenizer.pad_token_id)
+            last.append(sft_step(model, optimizer, batches, config))
+            steps += 1
+        log.debug("SFT epoch %d: loss %.4f", epoch + 1, sum(m["loss/total"] for m in last) / len(last))
+    tokens = sum(e.num_tokens for e in kept)
+    weight = [m["sft/tokens"] / tokens for m in last]  # the last epoch's step metrics, token-weighted
+    metrics = {k: sum(m[k] * w for m, w in zip(last, weight, strict=True)) for k in last[0]}
+    seconds = time.perf_counter() - started
+    metrics.update(
+        {
+            "sft/examples": float(len(kept)),
+            "sft/epochs": float(epochs),
+            "sft/optimizer_steps": float(steps),
+            "sft/tokens": float(tokens),
+            "step/skipped_nonfinite": float(sum(m["step/skipped_nonfinite"] for m in last)),
+            "perf/seconds": seconds,
+            "perf/tokens_per_s": epochs
+            * sum(len(e.context) + len(e.target) for e in kept)
+            / max(seconds, 1e-9),
+        }
+    )
+    return SFTResult(len(kept), tokens, metrics["loss/total"], metrics)
