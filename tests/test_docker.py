@@ -26,7 +26,7 @@ def cli_help(*command: str) -> str:
     """The real `rlproxy ... --help`, plain text (no colours, wide enough not to wrap option names)."""
     env = {**os.environ, "COLUMNS": "250", "TERM": "dumb", "NO_COLOR": "1"}
     env["_TYPER_FORCE_DISABLE_TERMINAL"] = "1"
-    exe = [str(RLPROXY)] if RLPROXY.exists() else [sys.executable, "-m", "rlproxy.proxy.cli"]
+    exe = [str(RLPROXY)] if RLPROXY.exists() else [sys.executable, "-m", "rlproxy.cli"]
     out = subprocess.run([*exe, *command, "--help"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout

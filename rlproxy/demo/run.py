@@ -107,7 +107,7 @@ def _serve_command() -> list[str]:
     exe = Path(sys.executable).with_name("rlproxy")
     if exe.is_file():
         return [str(exe), "serve"]
-    return [sys.executable, "-c", "from rlproxy.proxy.cli import app; app()", "serve"]
+    return [sys.executable, "-c", "from rlproxy.cli.main import app; app()", "serve"]
 
 
 def start_server(

@@ -356,7 +356,7 @@ def test_a_500_says_nothing_of_the_failure(serve, monkeypatch, caplog):
 
 def test_sql_has_a_statement_timeout(tmp_path):
     """Case 7: `rlproxy sql` had no statement timeout; a query that runs forever is interrupted."""
-    from rlproxy.proxy.cli import app
+    from rlproxy.cli.main import app
 
     db = tmp_path / "t.db"
     sqlite3.connect(db).close()

@@ -28,7 +28,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from support import ServerlessBackend, free_port
 
-from rlproxy import compose
+from rlproxy.cli import processes
 from rlproxy.inference.embedded import EmbeddedBackend
 from rlproxy.settings import Settings
 from rlproxy.storage.leader import LeaderLock
@@ -220,7 +220,7 @@ async def test_sft_from_the_store_learns_the_captured_tokens(tiny_model_dir: Pat
         assert not any(text == s for (_, text), s in zip(before, sampled[:16], strict=True))
 
         sft_settings = settings.model_copy(update={"learning_rate": SFT_LR})
-        out = await compose.run_sft(sft_settings, policy, where="reward >= 0.9", epochs=40)
+        out = await processes.run_sft(sft_settings, policy, where="reward >= 0.9", epochs=40)
         assert (out["step"], out["sft/examples"]) == (1, 16.0)
 
         await wait_for_step(client, policy, "1")

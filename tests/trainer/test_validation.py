@@ -250,7 +250,7 @@ async def test_validation_runs_scored_never_trained_best_kept(tiny_model_dir: Pa
     # `rlproxy steps`: val (count) per step, `best` on the step whose checkpoint is kept for it
     from typer.testing import CliRunner
 
-    from rlproxy.proxy.cli import app
+    from rlproxy.cli.main import app
 
     out = await asyncio.to_thread(CliRunner().invoke, app, ["steps", "--db", f"sqlite+aiosqlite:///{db}"])
     assert out.exit_code == 0, out.output

@@ -1,10 +1,11 @@
 """The `rlproxy` command line: it parses options into `Settings` and calls the composition root.
 
-Options that set a setting are made from the settings object (`cli_options.setting`): their help,
+Options that set a setting are made from the settings object (`options.setting`): their help,
 environment variable and default are the field's, the same as the README's table. A user's mistake
 (a bad option, a missing database, bad SQL) ends with one `error: ...` line and a non-zero exit
-(`cli_options.CleanErrors`); `rlproxy --debug ...` shows the traceback instead. What `serve` runs is
-built by `rlproxy/compose.py`; queries are in `rlproxy/storage/`; output formats in `cli_output.py`.
+(`options.CleanErrors`); `rlproxy --debug ...` shows the traceback instead. The long commands run
+`processes.py` (which builds through `rlproxy/compose.py`); queries are in `rlproxy/storage/`;
+output formats in `output.py`. Nothing imports this package: it is the entrance.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from rlproxy.proxy.cli_options import ENV_NOTE, CleanErrors, field_default, setting
+from rlproxy.cli.options import ENV_NOTE, CleanErrors, field_default, setting
 from rlproxy.settings import Settings
 from rlproxy.storage.models import RunStatus
 
@@ -146,7 +147,7 @@ def serve(
 
 
 def _serve(settings: Settings, access_log: bool, log_level: str, readonly: bool = False) -> None:
-    from rlproxy import compose
+    from rlproxy.cli import processes
 
     def ready(base: str) -> None:
         if readonly:
@@ -157,7 +158,7 @@ def _serve(settings: Settings, access_log: bool, log_level: str, readonly: bool 
     started = [False]
 
     async def go() -> None:
-        started[0] = await compose.serve(
+        started[0] = await processes.serve(
             settings, readonly=readonly, access_log=access_log, log_level=log_level, on_ready=ready
         )
 
@@ -227,10 +228,10 @@ def train(
     if not settings.upstream:
         raise typer.BadParameter("--upstream (or RLPROXY_UPSTREAM) is required: the server to publish to")
     _logging("info")
-    from rlproxy.compose import launch_trainer, run_trainer
+    from rlproxy.cli.processes import launch_trainer, run_trainer
 
     if settings.nproc:
-        launch_trainer(settings)  # torchrun's agent in this process; the ranks run compose.train_worker
+        launch_trainer(settings)  # torchrun's agent in this process; the ranks run processes.train_worker
     else:
         asyncio.run(run_trainer(settings))
 
@@ -268,7 +269,7 @@ def sft(
     ),
 ) -> None:
     """Supervised fine-tuning from stored runs (exact tokens) or a chat file, published as the next step."""
-    from rlproxy import compose
+    from rlproxy.cli import processes
 
     if (where is None) == (file is None):
         raise typer.BadParameter("give one of --where (SQL over trajectories) and --file (chat JSONL)")
@@ -279,7 +280,7 @@ def sft(
     )
     _logging("warning")
     out = asyncio.run(
-        compose.run_sft(settings, policy, where=where, file=file, epochs=epochs, batch_size=batch_size)
+        processes.run_sft(settings, policy, where=where, file=file, epochs=epochs, batch_size=batch_size)
     )
     typer.echo(
         f"step {out['step']} of {policy} (sft): loss {out['loss/total']:.4f}, token accuracy "
@@ -297,10 +298,10 @@ def fork(
     ),
 ) -> None:
     """Start a new policy from a step: NEW_POLICY@1 is POLICY@N (adapter and optimizer state)."""
-    from rlproxy import compose
+    from rlproxy.cli import processes
 
     settings = make_settings(db_url=db, checkpoint_dir=checkpoint_dir)
-    saved = asyncio.run(compose.fork(settings, source, new_policy))
+    saved = asyncio.run(processes.fork(settings, source, new_policy))
     typer.echo(f"{new_policy}@1 = {source} ({saved.path}); a running serve serves it within seconds")
 
 
@@ -330,7 +331,7 @@ def runs(
     """A table of recent runs, newest first (`rlproxy runs show ID`: one run in full)."""
     if ctx.invoked_subcommand is not None:
         return
-    from rlproxy.proxy.cli_output import print_table
+    from rlproxy.cli.output import print_table
     from rlproxy.storage import queries
 
     found, _ = _read(db, lambda e: queries.list_runs(e, status=status.value if status else None, limit=limit))
@@ -345,7 +346,7 @@ def runs_show(
     json_out: Annotated[bool, typer.Option("--json", help="the run as one JSON object")] = False,
 ) -> None:
     """One run in full: its conversation, tool calls, token counts per completion, reward, status."""
-    from rlproxy.proxy.cli_output import run_lines
+    from rlproxy.cli.output import run_lines
     from rlproxy.storage import queries
 
     run = _read(db, lambda e: queries.get_run(e, run_id))
@@ -370,7 +371,7 @@ def steps(
 ) -> None:
     """The newest training steps: reward mean ± std, validation reward (best: the checkpoint kept for it),
     loss, KL, clip fractions, grad norm, lag, tokens/s."""
-    from rlproxy.proxy import cli_output
+    from rlproxy.cli import output as cli_output
     from rlproxy.storage import queries
 
     rows = _read(db, lambda e: queries.step_table(e, policy=policy, limit=limit))
@@ -414,7 +415,7 @@ def sql(
 
     Tables cut cells at 60 characters (--wide, -x: never); numbers print as sqlite3 prints them.
     """
-    from rlproxy.proxy import cli_output
+    from rlproxy.cli import output as cli_output
     from rlproxy.storage import queries
 
     if sum((json_lines, csv_out, vertical, wide)) > 1:

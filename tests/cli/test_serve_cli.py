@@ -15,7 +15,7 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from rlproxy.proxy.cli import app
+from rlproxy.cli.main import app
 
 runner = CliRunner()
 BIN = Path(sys.executable).parent
@@ -105,7 +105,7 @@ def test_sqlite3_cli_reads_trajectories(filled_db):
 
 
 def test_settings_read_env_and_options_override(monkeypatch):
-    from rlproxy.proxy.cli import make_settings
+    from rlproxy.cli.main import make_settings
 
     monkeypatch.setenv("RLPROXY_PORT", "9123")
     monkeypatch.setenv("RLPROXY_GROUP_SIZE", "6")

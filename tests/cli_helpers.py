@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "storage"))
 
 from storage_sample import fill_sample, run_sync  # noqa: E402
 

@@ -15,8 +15,8 @@ import pytest
 from cli_helpers import sample_db
 from typer.testing import CliRunner
 
-from rlproxy.proxy.cli import app
-from rlproxy.proxy.cli_output import sqlite_float
+from rlproxy.cli.main import app
+from rlproxy.cli.output import sqlite_float
 
 runner = CliRunner()
 RLPROXY = str(Path(sys.executable).parent / "rlproxy")

@@ -14,7 +14,7 @@ import typer
 import typer.rich_utils
 from typer.testing import CliRunner
 
-from rlproxy.proxy.cli import app
+from rlproxy.cli.main import app
 from rlproxy.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,5 @@
+"""`python -m rlproxy.cli ...` is `rlproxy ...`."""
+
+from rlproxy.cli.main import app
+
+app()

@@ -1,0 +1,246 @@
+"""The processes the long commands run: `serve` (uvicorn), the trainer process, torchrun's ranks,
+`sft` and `fork`. Each builds its parts through the composition root (`rlproxy/compose.py`) and runs
+them until it is stopped; `rlproxy/cli/main.py` parses the options and calls one of these.
+
+    rlproxy serve | dashboard   serve(settings)              build_app / build_readonly_app under uvicorn
+    rlproxy train               run_trainer(settings)        the trainer alone, publishing to --upstream
+    rlproxy train --nproc N     launch_trainer(settings)     N ranks under torchrun, each train_worker()
+    rlproxy sft                 run_sft(settings, policy)    one SFT step (trainer/offline.py)
+    rlproxy fork                fork(settings, src, new)     a new policy from a step (trainer/offline.py)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlproxy.compose import build_app, build_readonly_app, init_adapter, make_judge, trainer_config
+from rlproxy.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+async def run_sft(settings: Settings, policy: str, **options: Any) -> dict[str, Any]:
+    """What `rlproxy sft` runs: one SFT step of `policy` (trainer/offline.py), loaded into
+    `settings.upstream` when given (a running `serve` on the store picks it up either way)."""
+    from rlproxy.storage import db
+    from rlproxy.trainer.offline import run_sft as sft_step
+
+    url = db.normalize_url(settings.db_url)
+    await db.upgrade_async(url)
+    backend = None
+    if settings.upstream:
+        from rlproxy.inference.vllm import VLLMBackend
+
+        backend = VLLMBackend(
+            settings.model,
+            cache_dir=Path(settings.cache_dir).expanduser(),
+            upstream=settings.upstream,
+            api_key=settings.upstream_api_key,
+        )
+        await backend.start()
+    try:
+        from rlproxy.inference.models import resolve_model
+
+        model_path = (
+            backend.model_path
+            if backend is not None
+            else resolve_model(settings.model, cache_dir=settings.cache_dir)
+        )
+        file = options.pop("file", None)
+        return await sft_step(
+            url,
+            trainer_config(settings),
+            str(model_path),
+            policy,
+            file=str(file) if file else None,
+            backend=backend,
+            **options,
+        )
+    finally:
+        if backend is not None:
+            await backend.stop()
+
+
+async def fork(settings: Settings, source: str, new_policy: str) -> Any:
+    """What `rlproxy fork POLICY@N NEW` runs (trainer/offline.py); a running `serve` loads it by polling."""
+    from rlproxy.storage import db
+    from rlproxy.trainer.offline import fork_policy
+
+    url = db.normalize_url(settings.db_url)
+    await db.upgrade_async(url)
+    return await fork_policy(url, trainer_config(settings), source, new_policy)
+
+
+def _raise_open_files(wanted: int) -> None:
+    """Raise the soft open-files limit toward `wanted` (at most the hard one): the cap binds, not EMFILE."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+async def serve(
+    settings: Settings,
+    *,
+    readonly: bool = False,
+    access_log: bool = True,
+    log_level: str = "info",
+    on_ready: Callable[[str], None] | None = None,
+) -> bool:
+    """Serve `build_app(settings)` (or `build_readonly_app` for `rlproxy dashboard`) until stopped.
+
+    `on_ready(base)` is called once it listens (`base`: http://host:port, loopback when bound to
+    every address). Returns False when it never started (the lifespan failed; the log says why).
+    """
+    import uvicorn
+
+    from rlproxy.proxy import server as http_server
+
+    _raise_open_files(settings.max_connections + 256)  # each connection is a file descriptor
+    application = build_readonly_app(settings) if readonly else build_app(settings)
+    config = http_server.config(application, settings, access_log=access_log, log_level=log_level)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started and on_ready is not None:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        host = settings.host if settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        on_ready(f"http://{host}:{port}")
+    await task
+    return bool(server.started)
+
+
+async def run_trainer(settings: Settings, ranks: Any = None) -> None:
+    """What `rlproxy train` runs: the trainer alone, publishing to `settings.upstream`, until SIGTERM.
+
+    With `ranks` (rank 0 of a `--nproc N` job, trainer/distributed.py) each step runs on every rank,
+    and stopping tells the other ranks to exit.
+    """
+    import signal
+
+    from rlproxy.inference.vllm import VLLMBackend
+    from rlproxy.storage import db
+    from rlproxy.trainer.service import TrainerService
+
+    url = db.normalize_url(settings.db_url)
+    await db.upgrade_async(url)
+    backend = VLLMBackend(
+        settings.model,
+        cache_dir=Path(settings.cache_dir).expanduser(),
+        upstream=settings.upstream,
+        api_key=settings.upstream_api_key,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    from rlproxy.trainer.distributed import Leader
+
+    leader = Leader(ranks) if ranks is not None else None
+    try:
+        await backend.start()
+        if leader is not None:
+            leader.model_path = backend.model_path  # the base model the ranks load, as rank 0 does
+        if settings.init_adapter:
+            await init_adapter(settings, backend, backend.served_model)
+        service = TrainerService(
+            trainer_config(settings),
+            url,
+            backend,
+            judge=make_judge(settings, backend),
+            train_fn=leader.train_step if leader is not None else None,
+        )
+        try:
+            await service.start()
+            logger.info("trainer running against %s; SIGTERM to stop", settings.upstream)
+            await stop.wait()
+        finally:
+            await service.stop()
+    finally:
+        if leader is not None:  # after the service: no step in flight; the other ranks wait for a command
+            await asyncio.to_thread(leader.stop)
+        await backend.stop()
+
+
+# The ranks of `rlproxy train --nproc N` read the resolved settings here (JSON), not from their argv.
+TRAIN_JOB_ENV = "RLPROXY_TRAIN_JOB_SETTINGS"
+WORKER_CODE = "from rlproxy.cli.processes import train_worker; train_worker()"
+
+
+def launch_trainer(settings: Settings) -> None:
+    """`rlproxy train --nproc N`: N ranks on this machine under torchrun's elastic agent (this process).
+
+    The agent starts the ranks, and when one dies tears the others down and returns (max_restarts 0):
+    the job ends with a TrainerError naming the rank; starting it again resumes from the newest
+    checkpoint (trainer/distributed.py). SIGTERM reaches every rank: rank 0 finishes its step, then
+    tells the others to exit (the agent kills what is left after 30 s; crash-safe either way).
+    """
+    import os
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from rlproxy.errors import TrainerError
+
+    os.environ[TRAIN_JOB_ENV] = settings.model_dump_json()
+    args = parse_args(
+        [
+            "--standalone",  # one machine; a free rendezvous port on loopback
+            f"--nproc-per-node={settings.nproc}",
+            "--max-restarts=0",
+            "--no-python",
+            sys.executable,
+            "-c",
+            WORKER_CODE,
+        ]
+    )
+    logger.info("starting %d trainer rank(s) with torch.distributed.run", settings.nproc)
+    try:
+        run(args)
+    except SignalException as exc:  # SIGTERM / Ctrl-C: the agent passed it on, the ranks have stopped
+        logger.info("training job stopped (%s)", exc)
+    except ChildFailedError as exc:
+        failures = "; ".join(
+            f"rank {rank} exit {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
+            for rank, f in sorted(exc.failures.items())
+        )
+        raise TrainerError(
+            f"the training job stopped: {failures}. Start it again: it resumes from the newest checkpoint "
+            "and commits a step saved but not committed exactly once"
+        ) from None
+    finally:
+        os.environ.pop(TRAIN_JOB_ENV, None)
+
+
+def train_worker() -> None:
+    """One rank of `rlproxy train --nproc N` (started by `launch_trainer`): rank 0 runs the trainer
+    service, the others follow its steps."""
+    import logging as logging_
+    import os
+
+    from rlproxy.logsetup import quiet_third_party
+    from rlproxy.trainer import distributed
+
+    settings = Settings.model_validate_json(os.environ[TRAIN_JOB_ENV])
+    rank = os.environ.get("RANK", "?")
+    logging_.basicConfig(
+        level=logging_.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"
+    )
+    quiet_third_party("info")
+    ranks = distributed.init()
+    try:
+        if ranks.leader:
+            asyncio.run(run_trainer(settings, ranks))
+        else:
+            distributed.follow(ranks, trainer_config(settings))
+    finally:
+        distributed.shutdown()
