@@ -13,10 +13,14 @@ transaction `READ ONLY`. `rlproxy sql` uses them for users' ad-hoc queries.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -244,6 +248,29 @@ def upgrade(url: str, revision: str = "head") -> None:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     log.info("migrating %s to %s", _redact(url), revision)
+    with _migration_lock(url):
+        _upgrade_retrying(command, url, revision)
+
+
+@contextmanager
+def _migration_lock(url: str) -> Iterator[None]:
+    """Processes migrating one SQLite file take turns (an flock on the file itself, which SQLite's own
+    POSIX locks ignore): without it two fresh starts can both read the old version and both apply
+    the next migration (`duplicate column name`). PostgreSQL serializes on an advisory lock instead
+    (migrations/env.py)."""
+    path = sqlite_path(url) if is_sqlite(url) else None
+    if not path:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # an empty file is an empty SQLite database
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _upgrade_retrying(command: Any, url: str, revision: str) -> None:
     for attempt in range(5):
         try:
             _in_thread(command.upgrade, alembic_config(url), revision)
