@@ -1,7 +1,7 @@
 """The README's fenced code blocks and the tag before each one that says how the tests run it.
 
-Every fenced block in README.md is preceded (on its own line, blank lines allowed) by a comment
-that GitHub does not render:
+Every fenced block in README.md and in docs/**/*.md is preceded (on its own line, blank lines
+allowed) by a comment that GitHub does not render:
 
     <!-- test: python setups=open,key -->     run with .venv's python in each setup
     <!-- test: bash setups=path,path-key -->  run with `bash -e` in each setup
@@ -44,10 +44,11 @@ class Block:
     setups: tuple[str, ...] = ()
     reason: str = ""
     problems: list[str] = field(default_factory=list)
+    file: str = "README.md"  # the Markdown file it is in, relative to the repository root
 
     @property
     def name(self) -> str:
-        return f"README.md:{self.line} ({self.heading})"
+        return f"{self.file}:{self.line} ({self.heading})"
 
 
 def _parse_tag(block: Block) -> None:
@@ -80,8 +81,8 @@ def _parse_tag(block: Block) -> None:
         block.problems.append(f"unknown setups {sorted(bad)} (known: {sorted(SETUPS)})")
 
 
-def blocks(text: str) -> list[Block]:
-    """Every fenced block of `text` (a Markdown file) with its tag parsed."""
+def blocks(text: str, file: str = "README.md") -> list[Block]:
+    """Every fenced block of `text` (the Markdown file `file`) with its tag parsed."""
     lines = text.splitlines()
     out: list[Block] = []
     heading = "top"
@@ -107,6 +108,7 @@ def blocks(text: str) -> list[Block]:
             code="\n".join(lines[i + 1 : end]) + "\n",
             tag=tag.group(1) if tag else None,
             heading=heading,
+            file=file,
         )
         _parse_tag(block)
         out.append(block)

@@ -36,7 +36,8 @@ from tests.storage.test_readme_queries import QUERIES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-BLOCKS = blocks(README)
+DOCS = sorted((ROOT / "docs").glob("**/*.md"))  # the docs site's pages: the same rule for their blocks
+BLOCKS = blocks(README) + [b for page in DOCS for b in blocks(page.read_text(), str(page.relative_to(ROOT)))]
 BIN = Path(sys.executable).parent
 KEY = "sk-readme-agents-key"
 PROXY_SETUPS = {"open", "key", "path", "path-key"}
@@ -44,9 +45,14 @@ PROXY_SETUPS = {"open", "key", "path", "path-key"}
 EMPTY_ON_SHORT_RUN = {"Which tools the agent called": "the tiny random model calls no tools"}
 
 
+def _where(b: Block) -> str:
+    """A block's place in a test id: `line12` in the README, `docs-x.md-line12` in a docs page."""
+    return f"line{b.line}" if b.file == "README.md" else f"{b.file.replace('/', '-')}-line{b.line}"
+
+
 def _cases(kinds: set[str], setups: set[str]) -> list[Any]:
     return [
-        pytest.param(b, s, id=f"{b.kind}-line{b.line}-{s}")
+        pytest.param(b, s, id=f"{b.kind}-{_where(b)}-{s}")
         for b in BLOCKS
         if b.kind in kinds and not b.problems
         for s in b.setups
@@ -149,7 +155,7 @@ def test_client_block_runs(block: Block, setup: str, loop_thread, embedded_backe
 
 
 REWARD_BLOCKS = [
-    pytest.param(b, b.setups[0], id=f"{b.kind}-line{b.line}-{b.setups[0]}")
+    pytest.param(b, b.setups[0], id=f"{b.kind}-{_where(b)}-{b.setups[0]}")
     for b in BLOCKS
     if b.kind in {"python", "bash", "node"} and not b.problems and "reward" in b.code
 ]
@@ -262,7 +268,7 @@ def test_short_run_is_what_the_blocks_expect(short_run: Path) -> None:
         con.close()
 
 
-SQL_BLOCKS = [pytest.param(b, id=f"sql-line{b.line}") for b in BLOCKS if b.kind == "sql" and not b.problems]
+SQL_BLOCKS = [pytest.param(b, id=f"sql-{_where(b)}") for b in BLOCKS if b.kind == "sql" and not b.problems]
 
 
 @pytest.mark.parametrize("block", SQL_BLOCKS)
