@@ -15,7 +15,7 @@ only with the per-process secret the composition root made.
 Errors use vLLM's body `{"error": {"message", "type", "param", "code"}}` with `code` the HTTP
 status: unknown model 404, bad JSON and invalid parameters 400 (vLLM does not use 422), adapter
 errors as AdapterError says. `/v1/responses` is served over the chat path with the translation in
-`rlproxy.inference.responses` (function tools, `instructions`, `input` as text or items, streamed
+`rlproxy.wire.responses` (function tools, `instructions`, `input` as text or items, streamed
 events); what it cannot serve is a 400 `invalid_request_error`. Responses are kept (unless the request
 says `store: false`) in a bounded in-memory store, the newest `responses_kept` only (vLLM keeps them
 only with VLLM_ENABLE_RESPONSES_API_STORE=1, and without bound); `previous_response_id` continues
@@ -47,14 +47,16 @@ from rlproxy.errors import AdapterError, APIError
 from rlproxy.inference.engine import Engine
 from rlproxy.inference.generation import Choice, Generation, chat_logprobs, completion_logprobs
 from rlproxy.inference.protocol import ChatBody, CompletionBody, LoadLoRABody, UnloadLoRABody
-from rlproxy.inference.responses import (
+from rlproxy.inference.tools import ToolStream, messages_for_template, parse_tool_calls
+from rlproxy.wire.responses import (
     ResponseEvents,
     ResponsesInputError,
     chat_request,
     conversation,
     response_object,
 )
-from rlproxy.inference.tools import ToolStream, messages_for_template, parse_tool_calls
+from rlproxy.wire.sse import data_text as _sse
+from rlproxy.wire.sse import event_text as _event
 
 log = logging.getLogger(__name__)
 
@@ -338,10 +340,6 @@ async def _internal(_: Request, exc: Exception) -> JSONResponse:
     return _error(500, f"internal error: {exc}", type="InternalServerError")
 
 
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 # ---------------------------------------------------------------------------------------------
 # Chat completions: one body, or chunks
 
@@ -513,10 +511,6 @@ async def _response_stream(
         yield _event(event)
     if store is not None:
         store.put(events.response, conversation({"messages": body.messages}, message))
-
-
-def _event(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 class ResponseStore:

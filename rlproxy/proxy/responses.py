@@ -1,7 +1,7 @@
 """`POST /v1/responses`: the Responses API served by the proxy over the upstream's chat completions.
 
 The route is a hot route like chat (`routes_openai.complete`): the Responses body is translated
-(`inference/responses.py`) into the chat body the model sees, which then takes the chat path unchanged
+(`wire/responses.py`) into the chat body the model sees, which then takes the chat path unchanged
 (policy routing, injected `return_token_ids`/`logprobs`, capture, store), and the chat answer is
 translated back: a Responses object, or (streamed) Responses SSE events made from the chat chunks as
 they arrive. So every backend gives exact prompt and sampled token ids and sampling logprobs, text and
@@ -26,8 +26,9 @@ import orjson
 from starlette.responses import Response
 
 from rlproxy.errors import APIError
-from rlproxy.inference.responses import ResponseEvents, ResponsesInputError, chat_request, conversation
 from rlproxy.storage import queries
+from rlproxy.wire.responses import ResponseEvents, ResponsesInputError, chat_request, conversation
+from rlproxy.wire.sse import event_bytes as _sse
 
 
 @dataclass(slots=True)
@@ -102,10 +103,6 @@ async def retrieve(px, response_id: str) -> Response:
             code="response_not_found",
         )
     return Response(orjson.dumps(row["client_response"]), media_type="application/json")
-
-
-def _sse(event: dict) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 class EventStream:

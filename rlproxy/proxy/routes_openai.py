@@ -27,10 +27,10 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rlproxy.errors import APIError, RLProxyError
-from rlproxy.inference.responses import response_object
 from rlproxy.proxy import capture, errors, forward, responses, runkey, validate
 from rlproxy.proxy.stream import StreamRelay
 from rlproxy.storage.records import CompletionRecord, Endpoint
+from rlproxy.wire.responses import response_object
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from rlproxy.inference.responses import (
+from rlproxy.wire.responses import (
     ResponseEvents,
     ResponsesInputError,
     chat_request,

@@ -1,0 +1,6 @@
+"""The wire format: translation between the client's API (the Responses API, Anthropic's Messages API)
+and the upstream's chat completions, as pure functions, in one room. Imports nothing of ours.
+
+    responses.py   Responses request -> chat body; chat answer/chunks -> Responses object/events
+    sse.py         the server-sent-event encoders the routes write those events with
+"""
