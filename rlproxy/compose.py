@@ -10,6 +10,7 @@ lifespan (`proxy/app.py`): they live exactly as long as the server does.
 
 A request goes through the ASGI stack from the outside in:
 
+    AnthropicErrors  error answers in Anthropic's shape on /v1/messages    proxy/messages.py
     Limits   body size on every route, requests in flight              proxy/limits.py
     Guard    canonical path, Host, Origin, keys, content type           proxy/guard.py
     HotPath  the completion routes, forwarded and captured              proxy/routes_openai.py
@@ -34,6 +35,7 @@ from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
 from rlproxy.proxy.guard import Guard, allowed_host_names, is_loopback
 from rlproxy.proxy.limits import Limits
+from rlproxy.proxy.messages import AnthropicErrors
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies
 from rlproxy.settings import Settings
@@ -162,7 +164,7 @@ class InitAdapter:
         return None
 
 
-def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
+def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicErrors:
     """The ASGI app `rlproxy serve` serves: backend, trainer and proxy, wired together.
 
     Its `.state.proxy` is the `ProxyState` every route shares (tests and tools read it there).
@@ -217,16 +219,18 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
             "use it, read every run and feed the trainer (see README, Security)",
             settings.host,
         )
-    asgi = Limits(
-        Guard(
-            routes_openai.HotPath(api, state),
-            principals,
-            allowed_hosts=allowed_host_names(settings.allowed_hosts, settings.host),
-            cors_origins=tuple(o.strip() for o in settings.cors_origins.split(",") if o.strip()),
-        ),
-        settings.max_body_bytes,
-        settings.max_reward_body_bytes,
-        settings.max_concurrent_requests,
+    asgi = AnthropicErrors(  # the Messages routes answer errors in Anthropic's shape, refusals included
+        Limits(
+            Guard(
+                routes_openai.HotPath(api, state),
+                principals,
+                allowed_hosts=allowed_host_names(settings.allowed_hosts, settings.host),
+                cors_origins=tuple(o.strip() for o in settings.cors_origins.split(",") if o.strip()),
+            ),
+            settings.max_body_bytes,
+            settings.max_reward_body_bytes,
+            settings.max_concurrent_requests,
+        )
     )
     asgi.state = api.state  # type: ignore[attr-defined]  # the routes' shared state: `.state.proxy`
     return asgi

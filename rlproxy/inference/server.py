@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health
     POST /v1/responses   GET /v1/responses/{response_id}
+    POST /v1/messages   POST /v1/messages/count_tokens   POST /tokenize
     POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}
     POST /v1/unload_lora_adapter {lora_name}
 
@@ -48,6 +49,7 @@ from rlproxy.inference.engine import Engine
 from rlproxy.inference.generation import Choice, Generation, chat_logprobs, completion_logprobs
 from rlproxy.inference.protocol import ChatBody, CompletionBody, LoadLoRABody, UnloadLoRABody
 from rlproxy.inference.tools import ToolStream, messages_for_template, parse_tool_calls
+from rlproxy.wire import messages as anthropic
 from rlproxy.wire.responses import (
     ResponseEvents,
     ResponsesInputError,
@@ -199,6 +201,80 @@ async def responses(request: Request) -> Response:
     return JSONResponse(answer)
 
 
+@router.post("/v1/messages")
+async def messages(request: Request) -> Response:
+    """Anthropic's Messages API over the chat path (`rlproxy.wire.messages`); errors in Anthropic's
+    shape; `max_tokens` past what the context leaves is clamped to it (as the proxy does)."""
+    engine = _engine(request)
+    try:
+        body = await _json(request)
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", type="invalid_request_error")
+        try:
+            chat_dict = anthropic.chat_request(body)
+        except anthropic.MessagesInputError as exc:
+            raise APIError(400, str(exc), type="invalid_request_error", param=exc.param) from exc
+        chat_body: ChatBody = _validate(ChatBody, chat_dict)
+        adapter = _adapter_for(engine, chat_body.model)
+        prompt = _chat_prompt(engine, chat_body)
+        if len(prompt) + (chat_body.max_tokens or 0) > engine.max_model_len:
+            chat_body.max_tokens = None  # until the context is full: what it leaves
+        gen, meta = _start(engine, chat_body, [prompt], adapter, "chatcmpl")
+    except APIError as exc:
+        return JSONResponse(anthropic.error_body(exc.status, exc.message), status_code=exc.status)
+    message_id = anthropic.new_message_id()
+    if chat_body.stream:
+        events = anthropic.MessageEvents(message_id=message_id, model=meta["model"])
+        return StreamingResponse(
+            _message_stream(engine.tokenizer, gen, chat_body, meta, events), media_type="text/event-stream"
+        )
+    try:
+        chat = {**meta, **_chat_result(engine.tokenizer, gen, chat_body, await _finished(gen))}
+    except APIError as exc:
+        return JSONResponse(anthropic.error_body(exc.status, exc.message), status_code=exc.status)
+    return JSONResponse(anthropic.message_object(chat, message_id=message_id))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(request: Request) -> Response:
+    """`{"input_tokens": N}`: the prompt of the Messages body's chat form, through the chat template."""
+    engine = _engine(request)
+    try:
+        body = await _json(request)
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", type="invalid_request_error")
+        try:
+            chat = anthropic.count_request(body)
+        except anthropic.MessagesInputError as exc:
+            raise APIError(400, str(exc), type="invalid_request_error", param=exc.param) from exc
+        _adapter_for(engine, chat.get("model"))
+        prompt = _chat_prompt(engine, _validate(ChatBody, chat))
+    except APIError as exc:
+        return JSONResponse(anthropic.error_body(exc.status, exc.message), status_code=exc.status)
+    return JSONResponse({"input_tokens": len(prompt)})
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    """vLLM's `/tokenize`: `{messages, tools?}` through the chat template (the generation prompt
+    added unless `add_generation_prompt` is false), or `{prompt}` as text; `{count, max_model_len,
+    tokens}`."""
+    engine = _engine(request)
+    body = await _json(request)
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    _adapter_for(engine, body.get("model"))
+    if "messages" in body:
+        chat: ChatBody = _validate(ChatBody, {"messages": body.get("messages"), "tools": body.get("tools")})
+        tokens = _chat_prompt(engine, chat, body.get("add_generation_prompt", True) is not False)
+    elif isinstance(body.get("prompt"), str):
+        special = body.get("add_special_tokens", True) is not False
+        tokens = engine.tokenizer.encode(body["prompt"], add_special_tokens=special)
+    else:
+        raise APIError(400, "either 'messages' or 'prompt' (a string) is required", param="messages")
+    return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> Response:
     return JSONResponse(request.app.state.responses.get(response_id))
@@ -234,13 +310,13 @@ def _validate(cls: type[BaseModel], raw: Any) -> Any:
         raise APIError(400, f"{first.get('msg')} ({param})", type="BadRequestError", param=param) from exc
 
 
-def _chat_prompt(engine: Engine, body: ChatBody) -> list[int]:
+def _chat_prompt(engine: Engine, body: ChatBody, add_generation_prompt: bool = True) -> list[int]:
     """The prompt token ids of a chat body (its messages and tools through the chat template)."""
     try:
         text = engine.tokenizer.apply_chat_template(
             messages_for_template(body.messages),
             tools=body.tools or None,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             tokenize=False,
         )
     except Exception as exc:  # template errors are the caller's messages, not a server fault
@@ -511,6 +587,20 @@ async def _response_stream(
         yield _event(event)
     if store is not None:
         store.put(events.response, conversation({"messages": body.messages}, message))
+
+
+async def _message_stream(
+    tok: Any, gen: Generation, body: ChatBody, meta: dict[str, Any], events: anthropic.MessageEvents
+) -> AsyncIterator[str]:
+    """Messages SSE (`event: <type>` + `data: <json>`) from the chat chunks; `error` if the engine failed."""
+    failed = False
+    async for chunk in _chat_chunks(tok, gen, body, meta):
+        failed = failed or any(c["finish_reason"] == "error" for c in chunk["choices"])
+        for event in events.feed(chunk):
+            yield _event(event)
+    done = events.fail("the engine failed while generating; see its log") if failed else events.finish()
+    for event in done:
+        yield _event(event)
 
 
 class ResponseStore:

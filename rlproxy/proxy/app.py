@@ -45,7 +45,7 @@ class ProxyState:
     upstream: object = None  # forward.Upstream, or upstreams.Upstreams (several replicas)
     # request headers never forwarded: the client's key is ours, not the upstream's (which
     # forward.Upstream sends itself: the backend's `api_key`)
-    drop_headers: frozenset[bytes] = frozenset({b"authorization"})
+    drop_headers: frozenset[bytes] = frozenset({b"authorization", b"x-api-key"})
     services: tuple = ()  # started after the backend, stopped before it (the trainer)
 
 

@@ -12,7 +12,8 @@ In this order, from one scan of the request headers (no body read, streams untou
    origin (Origin == http(s)://Host) or from `cors_origins`; without `Origin`,
    `Sec-Fetch-Site: cross-site` is refused. Configured origins get proper CORS answers (preflight
    and response headers) from Starlette's `CORSMiddleware`, which only such requests go through.
-4. Keys (401, 403): `auth.Principals` (agents' and operators' keys).
+4. Keys (401, 403): `auth.Principals` (agents' and operators' keys), sent as `Authorization:
+   Bearer <key>` or, as Anthropic's SDKs do, `x-api-key: <key>` (used when there is no Authorization).
 5. POST/PUT/PATCH need `Content-Type: application/json` (415 `unsupported_media_type`), so an
    HTML form or a `text/plain` fetch from a web page can never be served.
 
@@ -121,12 +122,14 @@ class Guard:
         if problem is not None:
             await _refuse(send, 400, f"{problem}: {scope['path']!r}", "invalid_path")
             return
-        host = origin = site = ctype = authorization = None
+        host = origin = site = ctype = authorization = api_key = None
         for k, v in scope["headers"]:
             if k == b"host":
                 host = v
             elif k == b"authorization":
                 authorization = v
+            elif k == b"x-api-key":
+                api_key = v
             elif k == b"content-type":
                 ctype = v
             elif k == b"origin":
@@ -158,6 +161,8 @@ class Guard:
         if cors and method == "OPTIONS" and _is_preflight(scope["headers"]):
             await self.cors(scope, receive, send)  # a preflight carries no key: CORSMiddleware answers it
             return
+        if authorization is None and api_key is not None:  # Anthropic's SDKs send their key so
+            authorization = b"Bearer " + api_key
         try:
             self.principals.check(scope["path"], authorization)
         except Refusal as refusal:

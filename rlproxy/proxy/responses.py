@@ -27,7 +27,13 @@ from starlette.responses import Response
 
 from rlproxy.errors import APIError
 from rlproxy.storage import queries
-from rlproxy.wire.responses import ResponseEvents, ResponsesInputError, chat_request, conversation
+from rlproxy.wire.responses import (
+    ResponseEvents,
+    ResponsesInputError,
+    chat_request,
+    conversation,
+    response_object,
+)
 from rlproxy.wire.sse import event_bytes as _sse
 
 
@@ -45,6 +51,14 @@ class Call:
     def store(self) -> bool:
         """False when the client said `store: false`: the response cannot be continued later."""
         return self.body.get("store") is not False
+
+    def answer(self, chat: dict) -> dict:
+        """The client's Responses object for the chat completion `chat`."""
+        return response_object(self.body, chat, response_id=self.response_id, created_at=self.created_at)
+
+    def events(self, model: str) -> EventStream:
+        """The translator of the chat stream into Responses events."""
+        return EventStream(self, model)
 
 
 async def prepare(px, body: dict) -> Call:

@@ -14,6 +14,8 @@ plain one. The composition root (`rlproxy/compose.py`) puts `HotPath` in front o
 `POST /v1/responses` is a hot route too: the proxy serves the Responses API itself over the
 upstream's chat completions (`proxy/responses.py`): the body is translated to the chat body that is
 forwarded, captured and stored as `request`, and the chat answer is translated back for the client.
+`POST /v1/messages` (Anthropic's Messages API) is served the same way (`proxy/messages.py`), and
+`POST /v1/messages/count_tokens` over the upstream's `/tokenize`.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rlproxy.errors import APIError, RLProxyError
-from rlproxy.proxy import capture, errors, forward, responses, runkey, validate
+from rlproxy.proxy import capture, errors, forward, messages, responses, runkey, validate
 from rlproxy.proxy.stream import StreamRelay
 from rlproxy.storage.records import CompletionRecord, Endpoint
-from rlproxy.wire.responses import response_object
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,11 @@ ROUTES = {
     "v1/chat/completions": Endpoint.CHAT,
     "v1/completions": Endpoint.COMPLETIONS,
     "v1/responses": Endpoint.RESPONSES,
+    "v1/messages": Endpoint.MESSAGES,
 }
 _UPSTREAM_PATHS = {endpoint: b"/" + route.encode() for route, endpoint in ROUTES.items()}
 _UPSTREAM_PATHS[Endpoint.RESPONSES] = b"/v1/chat/completions"  # served over chat (module doc)
+_UPSTREAM_PATHS[Endpoint.MESSAGES] = b"/v1/chat/completions"
 
 
 class HotPath:
@@ -102,6 +105,9 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         if run_id is None:  # a chained call without a run key stays in its previous response's run
             run_id = call.run_id
         body = call.chat  # from here on the chat form: forwarded, hashed, stored
+    elif endpoint == Endpoint.MESSAGES:
+        call = messages.prepare(body)
+        body = call.chat
     validate.check(body, Endpoint.CHAT if call is not None else endpoint)
     if run_id is not None:
         runkey.check_id(run_id)
@@ -138,10 +144,12 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     handed_off = False
     try:
         headers = forward.request_headers(scope["headers"], px.drop_headers, identity=True)
-        body_out = orjson.dumps(upstream_body)
+        query = b"" if endpoint == Endpoint.MESSAGES else scope["query_string"]  # ?beta=true is ours
         resp = await px.upstream.post(
-            _UPSTREAM_PATHS[endpoint], headers, body_out, scope["query_string"], stream, run_id
+            _UPSTREAM_PATHS[endpoint], headers, orjson.dumps(upstream_body), query, stream, run_id
         )
+        if endpoint == Endpoint.MESSAGES and resp.status_code == 400:
+            resp = await _unclamped(px, resp, rec, upstream_body, headers, stream, run_id)
         step_header = (b"x-policy-step", str(step).encode())
         if stream:
             ctype = resp.header(b"content-type") or b""
@@ -180,9 +188,7 @@ def _answer(
     if resp.status_code == 200 and isinstance(parsed, dict):
         cap = capture.from_response(parsed, Endpoint.CHAT if call is not None else rec.endpoint, inj)
         if call is not None:
-            rec.client_response = response_object(
-                call.body, parsed, response_id=call.response_id, created_at=call.created_at
-            )
+            rec.client_response = call.answer(parsed)
             rec.response_id = call.response_id if call.store else None
             content = orjson.dumps(rec.client_response)
         elif inj.any:
@@ -207,6 +213,23 @@ def _answer(
     return response
 
 
+async def _unclamped(px, resp, rec: CompletionRecord, upstream_body: dict, headers, stream: bool, run_id):
+    """A Messages call refused for prompt + max_tokens past the context: sent again without
+    max_tokens (see proxy/messages.py); otherwise the refusal, read whole for `_answer`."""
+    try:
+        resp.content = await resp.read() if stream else resp.content
+    finally:
+        if stream:
+            resp.close()
+    if not messages.context_overflow(resp.status_code, resp.content, upstream_body):
+        return resp
+    del upstream_body["max_tokens"]
+    rec.request = {k: v for k, v in rec.request.items() if k != "max_tokens"}
+    return await px.upstream.post(
+        _UPSTREAM_PATHS[Endpoint.MESSAGES], headers, orjson.dumps(upstream_body), b"", stream, run_id
+    )
+
+
 def _fill(rec: CompletionRecord, cap: capture.Captured) -> None:
     rec.response = cap.response
     rec.prompt_token_ids = cap.prompt_token_ids
@@ -224,12 +247,12 @@ def _relay(
     inj: capture.Injected,
     started: float,
     step_header,
-    call: responses.Call | None = None,
+    call: responses.Call | messages.Call | None = None,
     model: str = "",
 ) -> StreamRelay:
     """A streaming answer: relay while assembling; store when it ends (however it ends)."""
     assembler = capture.StreamAssembler(Endpoint.CHAT if call is not None else rec.endpoint, inj)
-    translate = responses.EventStream(call, model) if call is not None else None
+    translate = call.events(model) if call is not None else None
 
     def done(status: str, error: str | None, ttft: float | None, status_code: int) -> None:
         try:
@@ -272,6 +295,10 @@ async def _pass(request: Request, path: str) -> Response:
     px = request.app.state.proxy
     if request.method == "GET" and path.startswith("responses/") and path.count("/") == 1:
         return await responses.retrieve(px, path[len("responses/") :])  # served from the store
+    if request.method == "POST" and path.rstrip("/") == "messages/count_tokens":
+        body = validate.parse_body(await request.body(), px.settings.max_json_depth)
+        headers = forward.request_headers(list(request.scope["headers"]), px.drop_headers, identity=True)
+        return await messages.count_tokens(px, body, headers)
     return await px.upstream.relay(request, "/v1/" + path, px.drop_headers)
 
 

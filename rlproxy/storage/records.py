@@ -18,6 +18,7 @@ class Endpoint(StrEnum):
     CHAT = "chat.completions"  # POST /v1/chat/completions
     COMPLETIONS = "completions"  # POST /v1/completions
     RESPONSES = "responses"  # POST /v1/responses, served over the upstream's chat completions
+    MESSAGES = "messages"  # POST /v1/messages (Anthropic's Messages API), the same way
 
 
 @dataclass

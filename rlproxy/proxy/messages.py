@@ -1,0 +1,202 @@
+"""`POST /v1/messages` and `/v1/messages/count_tokens`: Anthropic's Messages API, served by the proxy
+over the upstream's chat completions, like `/v1/responses` (`proxy/responses.py`).
+
+The route is a hot route (`routes_openai.complete`): the Messages body is translated
+(`wire/messages.py`) into the chat body the model sees, which takes the chat path unchanged (policy
+routing, injected `return_token_ids`/`logprobs`, capture, store), and the chat answer is translated
+back: a `message` object, or (streamed) Messages SSE events made from the chat chunks as they arrive.
+Stored like a Responses call (migration 0003): `request`/`response` hold the chat form,
+`client_request`/`client_response` what the client sent and got; endpoint `messages`.
+
+Agent CLIs (Claude Code) ask for `max_tokens: 32000` whatever the model's context: when the
+upstream refuses a request because prompt + `max_tokens` pass the context length, it is sent again
+without `max_tokens` (chat completions then stop where the context is full: the ceiling clamped to
+what the context leaves), and that is the request stored. The query string (`?beta=true`) is not
+forwarded; `anthropic-beta` / `anthropic-version` headers are accepted (the upstream ignores them).
+
+`count_tokens` is served over the upstream's `POST /tokenize` (vLLM's, and the embedded engine's):
+the prompt of the translated chat body, counted by the model's own chat template.
+
+Errors on these routes are in Anthropic's shape (`AnthropicErrors`, outermost in the ASGI stack, so
+the guard's 401/403/415, the limits' 413/503 and the routes' 400/404/502 all get it), with 422 as 400.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from starlette.responses import Response
+
+from rlproxy.errors import APIError
+from rlproxy.wire.messages import (
+    MessageEvents,
+    MessagesInputError,
+    chat_request,
+    count_object,
+    count_request,
+    error_body,
+    error_status,
+    message_object,
+    new_message_id,
+)
+from rlproxy.wire.sse import event_bytes
+
+_CONTEXT = re.compile(rb"maximum context length", re.IGNORECASE)
+
+
+def is_messages_path(path: str) -> bool:
+    """`/v1/messages` and below, also under `/runs/{run_id}/` (what `AnthropicErrors` rewrites)."""
+    if path.startswith("/runs/"):
+        parts = path.split("/", 3)
+        path = "/" + parts[3] if len(parts) == 4 else path
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+@dataclass(slots=True)
+class Call:
+    """One Messages call on its way through the chat path (the interface of `responses.Call`)."""
+
+    body: dict  # the client's Messages body
+    chat: dict  # the chat-completions body made from it (forwarded and stored as `request`)
+    run_id: None = None  # a Messages call has no chain to inherit a run from
+    response_id: str = field(default_factory=new_message_id)
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    store: bool = False  # a message id names no stored continuation (no `response_id` column value)
+
+    def answer(self, chat: dict) -> dict:
+        """The client's `message` object for the chat completion `chat`."""
+        return message_object(chat, message_id=self.response_id, model=self.body.get("model"))
+
+    def events(self, model: str) -> EventStream:
+        return EventStream(self, model)
+
+
+def prepare(body: dict) -> Call:
+    """Translate `body` (400 naming the field for what cannot be served)."""
+    try:
+        return Call(body=body, chat=chat_request(body))
+    except MessagesInputError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+
+
+def context_overflow(status: int, content: bytes, upstream_body: dict) -> bool:
+    """True when the upstream refused `upstream_body` for prompt + max_tokens past its context, and
+    dropping `max_tokens` (so the answer stops where the context is full) can serve it."""
+    return status == 400 and "max_tokens" in upstream_body and bool(_CONTEXT.search(content[:2000]))
+
+
+class EventStream:
+    """Chat chunks in, the bytes of Messages SSE events out (for `stream.StreamRelay`)."""
+
+    def __init__(self, call: Call, model: str) -> None:
+        self.events = MessageEvents(message_id=call.response_id, model=model)
+        self.ended = False
+
+    def start(self) -> bytes:
+        return b""  # message_start waits for the first chunk (its prompt token ids give input_tokens)
+
+    def chunk(self, chunk: dict) -> bytes:
+        if self.ended:
+            return b""
+        if "error" in chunk and not chunk.get("choices"):  # the upstream's error event mid-stream
+            err = chunk["error"]
+            return self.fail(err.get("message") if isinstance(err, dict) else str(err))
+        return b"".join(map(event_bytes, self.events.feed(chunk)))
+
+    def end(self) -> bytes:
+        if self.ended:
+            return b""
+        self.ended = True
+        return b"".join(map(event_bytes, self.events.finish()))
+
+    def fail(self, message: str) -> bytes:
+        if self.ended:
+            return b""
+        self.ended = True
+        return b"".join(map(event_bytes, self.events.fail(message)))
+
+    @property
+    def response(self) -> dict:
+        return self.events.message
+
+
+async def count_tokens(px, body: dict, headers: list) -> Response:
+    """`POST /v1/messages/count_tokens`: `{"input_tokens": N}`, counted by the upstream's `/tokenize`."""
+    try:
+        chat = count_request(body)
+    except MessagesInputError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    _, _, model = px.policies.resolve(chat.get("model"))
+    tokenize = {"model": model, "messages": chat["messages"], "add_generation_prompt": True}
+    if chat.get("tools"):
+        tokenize["tools"] = chat["tools"]
+    resp = await px.upstream.post(b"/tokenize", headers, orjson.dumps(tokenize), b"", False)
+    content = resp.content
+    if resp.status_code != 200:
+        raise APIError(
+            502 if resp.status_code >= 500 or resp.status_code == 404 else resp.status_code,
+            f"the upstream could not count tokens (POST /tokenize answered {resp.status_code}): "
+            + content.decode("utf-8", "replace")[:500],
+        )
+    return Response(orjson.dumps(count_object(orjson.loads(content))), media_type="application/json")
+
+
+def _message_of(body: bytes) -> str:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode("utf-8", "replace")[:2000] or "error"
+    if isinstance(parsed, dict):
+        err = parsed.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(parsed.get("detail"), str):
+            return parsed["detail"]
+    return body.decode("utf-8", "replace")[:2000]
+
+
+class AnthropicErrors:
+    """ASGI: on the Messages routes, every error answer (status >= 400, JSON) in Anthropic's shape
+    `{"type": "error", "error": {"type", "message"}}` (422 as 400); other paths untouched."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    def __getattr__(self, name: str):
+        return getattr(self.app, name)  # transparent: the stack below keeps its attributes (in_flight)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not is_messages_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        held: dict | None = None
+        parts: list[bytes] = []
+
+        async def rewrite(message: dict) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held = message
+                return
+            if held is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            parts.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            status = error_status(held["status"])
+            body = orjson.dumps(error_body(status, _message_of(b"".join(parts))))
+            headers = [
+                (k, v)
+                for k, v in held.get("headers", ())
+                if k.lower() not in (b"content-length", b"content-type")
+            ]
+            headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, rewrite)
