@@ -49,6 +49,7 @@ from rlproxy.inference.engine import Engine
 from rlproxy.inference.generation import Choice, Generation, chat_logprobs, completion_logprobs
 from rlproxy.inference.protocol import ChatBody, CompletionBody, LoadLoRABody, UnloadLoRABody
 from rlproxy.inference.tools import ToolStream, messages_for_template, parse_tool_calls
+from rlproxy.wire import message_events as anthropic_events
 from rlproxy.wire import messages as anthropic
 from rlproxy.wire.responses import (
     ResponseEvents,
@@ -222,9 +223,9 @@ async def messages(request: Request) -> Response:
         gen, meta = _start(engine, chat_body, [prompt], adapter, "chatcmpl")
     except APIError as exc:
         return JSONResponse(anthropic.error_body(exc.status, exc.message), status_code=exc.status)
-    message_id = anthropic.new_message_id()
+    message_id = anthropic_events.new_message_id()
     if chat_body.stream:
-        events = anthropic.MessageEvents(message_id=message_id, model=meta["model"])
+        events = anthropic_events.MessageEvents(message_id=message_id, model=meta["model"])
         return StreamingResponse(
             _message_stream(engine.tokenizer, gen, chat_body, meta, events), media_type="text/event-stream"
         )
@@ -232,7 +233,7 @@ async def messages(request: Request) -> Response:
         chat = {**meta, **_chat_result(engine.tokenizer, gen, chat_body, await _finished(gen))}
     except APIError as exc:
         return JSONResponse(anthropic.error_body(exc.status, exc.message), status_code=exc.status)
-    return JSONResponse(anthropic.message_object(chat, message_id=message_id))
+    return JSONResponse(anthropic_events.message_object(chat, message_id=message_id))
 
 
 @router.post("/v1/messages/count_tokens")
@@ -590,7 +591,7 @@ async def _response_stream(
 
 
 async def _message_stream(
-    tok: Any, gen: Generation, body: ChatBody, meta: dict[str, Any], events: anthropic.MessageEvents
+    tok: Any, gen: Generation, body: ChatBody, meta: dict[str, Any], events: anthropic_events.MessageEvents
 ) -> AsyncIterator[str]:
     """Messages SSE (`event: <type>` + `data: <json>`) from the chat chunks; `error` if the engine failed."""
     failed = False

@@ -31,20 +31,11 @@ import orjson
 from starlette.responses import Response
 
 from rlproxy.errors import APIError
-from rlproxy.wire.messages import (
-    MessageEvents,
-    MessagesInputError,
-    chat_request,
-    count_object,
-    count_request,
-    error_body,
-    error_status,
-    message_object,
-    new_message_id,
-)
+from rlproxy.wire.message_events import MessageEvents, count_object, message_object, new_message_id
+from rlproxy.wire.messages import MessagesInputError, chat_request, count_request, error_body, error_status
 from rlproxy.wire.sse import event_bytes
 
-_CONTEXT = re.compile(rb"maximum context length", re.IGNORECASE)
+_CONTEXT = re.compile(rb"maximum context length|max_model_len", re.IGNORECASE)  # the engine, vLLM
 
 
 def is_messages_path(path: str) -> bool:

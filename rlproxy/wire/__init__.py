@@ -2,5 +2,7 @@
 and the upstream's chat completions, as pure functions, in one room. Imports nothing of ours.
 
     responses.py   Responses request -> chat body; chat answer/chunks -> Responses object/events
+    messages.py    Anthropic Messages request -> chat body; Anthropic's error shape
+    message_events.py  chat answer/chunks -> `message` object / Messages events
     sse.py         the server-sent-event encoders the routes write those events with
 """

@@ -78,6 +78,22 @@ def sse_events(text: str) -> list[tuple[str, dict]]:
     return out
 
 
+def filling(c: anthropic.Anthropic, model: str, room: int = 12, context: int = 2048) -> list[dict]:
+    """A user message that leaves about `room` tokens of the tiny model's `context` (so a clamped
+    `max_tokens: 32000` generates only those), sized with count_tokens."""
+
+    def count(n: int) -> int:
+        return c.messages.count_tokens(
+            model=model, messages=[{"role": "user", "content": "ab " * n}]
+        ).input_tokens
+
+    base, per = count(0), (count(200) - count(0)) / 200
+    n = int((context - room - base) / per)
+    while count(n) > context - room:
+        n -= 4
+    return [{"role": "user", "content": "ab " * n}]
+
+
 # ---------------------------------------------------------------------------------------------
 # Captured like chat, on the real engine
 
@@ -185,6 +201,7 @@ def test_agent_cli_request_is_served_and_recorded(engine_proxy: Any) -> None:
     """What Claude Code sends: ?beta=true, anthropic-beta, system blocks with cache_control and the
     billing header, thinking adaptive, context_management, output_config, metadata.user_id holding
     JSON, and max_tokens 32000 (past the tiny model's context): served, clamped, recorded."""
+    long = filling(client(engine_proxy.url), "tiny", room=300)[0]["content"]  # tools + system: ~200
     body = {
         "model": "tiny",
         "max_tokens": 32000,
@@ -198,7 +215,7 @@ def test_agent_cli_request_is_served_and_recorded(engine_proxy: Any) -> None:
                 "role": "user",
                 "content": [
                     {"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
-                    {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}},
+                    {"type": "text", "text": long, "cache_control": {"type": "ephemeral"}},
                 ],
             }
         ],
@@ -232,8 +249,9 @@ def test_agent_cli_request_is_served_and_recorded(engine_proxy: Any) -> None:
     assert row["request"]["messages"][0] == {"role": "system", "content": "You are Claude Code.\nBe concise."}
     assert row["request"]["messages"][1] == {
         "role": "user",
-        "content": "<system-reminder>ctx</system-reminder>\nhi",
+        "content": f"<system-reminder>ctx</system-reminder>\n{long}",
     }
+    assert len(row["prompt_token_ids"]) + len(row["token_ids"][0]) <= 2048
     assert row["client_request"]["max_tokens"] == 32000 and row["client_request"]["thinking"] == {
         "type": "adaptive"
     }
@@ -584,3 +602,94 @@ def test_upstream_breaking_mid_stream_ends_with_an_error_event(make_proxy: Any, 
         assert (row["status"], row["status_code"]) == ("error", 502) and row["token_ids"] == [[7, 7]]
     finally:
         loop_thread.run(stub.stop())
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewarded and trained like any run
+
+
+def test_rewarded_messages_runs_train_on_sampled_tokens_only(
+    engine_proxy: Any, tiny_model_dir: Any, tmp_path: Any
+) -> None:
+    """Two 2-turn Messages runs (tool_use -> tool_result in the second turn) of one group, rewarded
+    1 and 0: the group is ready, every sample is the stored prompt + the sampled tokens, and a GRPO
+    step trains on exactly those tokens."""
+    import torch
+
+    from rlproxy.storage.training import load_runs, ready_groups
+    from rlproxy.trainer.batches import build_samples, collate
+    from rlproxy.trainer.config import TrainerConfig
+    from rlproxy.trainer.model import load_policy
+    from rlproxy.trainer.step import make_optimizer, train_step
+
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    for i, reward in enumerate((1.0, 0.0)):
+        c = client(engine_proxy.url, f"train-{i}")
+        first = c.messages.create(
+            model="tiny", messages=ask, tools=[WEATHER], max_tokens=4, extra_body={"seed": i}
+        )
+        turn = [
+            *ask,
+            {
+                "role": "assistant",
+                "content": [
+                    *[b.model_dump() for b in first.content if b.type == "text" and b.text],
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}],
+            },
+        ]
+        c.messages.create(
+            model="tiny", messages=turn, tools=[WEATHER], max_tokens=4, extra_body={"seed": 10 + i}
+        )
+        r = httpx.post(f"{engine_proxy.url}/v1/runs/train-{i}/reward", json={"reward": reward}, timeout=30)
+        assert r.status_code == 200, r.text
+    engine_proxy.flush()
+    engine = engine_proxy.state.engine
+    groups = engine_proxy.lt.run(ready_groups(engine, group_size=2, group_timeout=3600))
+    assert [sorted(g.run_ids) for g in groups] == [["train-0", "train-1"]]
+    runs = engine_proxy.lt.run(load_runs(engine, ["train-0", "train-1"]))
+    assert [[c.endpoint for c in r.completions] for r in runs] == [["messages", "messages"]] * 2
+
+    config = TrainerConfig(
+        learning_rate=5e-3, micro_batch_size=4, checkpoint_dir=str(tmp_path / "ck"), seed=0
+    )
+    model, tok = load_policy(str(tiny_model_dir), config)
+    samples, counts = build_samples(runs, {"train-0": 1.0, "train-1": -1.0}, tok, 4096)
+    stored = [(c.prompt_token_ids, c.token_ids[0], c.logprobs[0]) for r in runs for c in r.completions]
+    assert counts.rebuilt == 0 and len(samples) == 4
+    assert [(s.prompt_ids, s.completion_ids) for s in samples] == [(p, t) for p, t, _ in stored]
+    batch = collate(samples, tok.pad_token_id)
+    assert batch.num_tokens == sum(len(t) for _, t, _ in stored)
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    result = train_step(model, tok, make_optimizer(model, config), runs, config)
+    assert not result.skipped and result.num_runs == 2 and result.num_tokens == batch.num_tokens
+    after = [p.detach() for p in model.parameters() if p.requires_grad]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded engine serves the Messages API itself (`rlproxy engine` alone)
+
+
+def test_the_engine_serves_messages_and_count_tokens(engine_backend: Any) -> None:
+    c = anthropic.Anthropic(base_url=engine_backend.base_url, api_key="x", max_retries=0)
+    model, hi = engine_backend.served_model, [{"role": "user", "content": "hi"}]
+    long = filling(c, model)
+    msg = c.messages.create(
+        model=model, messages=long, max_tokens=32000, timeout=60
+    )  # clamped to what is left
+    assert msg.type == "message" and msg.stop_reason in ("max_tokens", "end_turn")
+    used = msg.usage.input_tokens + msg.usage.output_tokens
+    assert used == 2048 if msg.stop_reason == "max_tokens" else used < 2048  # up to the context's end
+    with c.messages.stream(model=model, messages=hi, max_tokens=3) as s:
+        final = s.get_final_message()
+    assert final.usage.output_tokens == 3 and final.stop_reason == "max_tokens"
+    assert c.messages.count_tokens(model=model, messages=hi).input_tokens == final.usage.input_tokens > 0
+    with pytest.raises(anthropic.BadRequestError) as info:
+        c.post("/v1/messages", body={"model": model, "messages": hi}, cast_to=Message)
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in info.value.body["error"]["message"]
