@@ -15,10 +15,12 @@ through the proxy in the same run, so the printed ratios compare like with like.
     5. `POST /v1/responses` (the Responses API, which the proxy serves over the upstream's chat
        completions): the same latency and streaming-throughput cases, through the proxy against the
        equivalent chat request sent directly, so "added" includes the translation both ways.
+    6. `POST /v1/messages` (Anthropic's Messages API, served the same way): the same two cases.
 
     python bench/proxy.py            # 10 s per measurement
     python bench/proxy.py --quick    # 3 s per measurement
     python bench/proxy.py --quick --route responses   # only the Responses API cases
+    python bench/proxy.py --quick --route messages    # only the Messages API cases
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ if os.getenv("BENCH_ROUTE") == "responses" then
   wrk.body = '{"model":"stub-model","instructions":"You are a helpful agent.",'
     .. '"input":"Find the weather in Paris and answer in one word.",'
     .. '"max_output_tokens":8,"temperature":0.7' .. (stream and ',"stream":true' or '') .. '}'
+elseif os.getenv("BENCH_ROUTE") == "messages" then
+  -- the same conversation as an Anthropic Messages request: system + messages
+  wrk.headers["anthropic-version"] = "2023-06-01"
+  wrk.body = '{"model":"stub-model","system":"You are a helpful agent.",'
+    .. '"messages":[{"role":"user","content":"Find the weather in Paris and answer in one word."}],'
+    .. '"max_tokens":8,"temperature":0.7' .. (stream and ',"stream":true' or '') .. '}'
 else
   wrk.body = '{"model":"stub-model","messages":[{"role":"system","content":"You are a helpful agent."},'
     .. '{"role":"user","content":"Find the weather in Paris and answer in one word."}],'
@@ -95,7 +103,7 @@ def wrk_env(
     run_id: str, delay: float | None, stream: bool, auth: str = "", route: str = "chat"
 ) -> dict[str, str]:
     """What the Lua script reads: no delay = no x-stub-delay header (the stub's own delay applies);
-    `route` "responses" sends the Responses form of the request."""
+    `route` "responses" / "messages" sends the Responses / Messages form of the request."""
     return {
         **os.environ,
         "BENCH_RUN_ID": run_id,
@@ -406,7 +414,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--route",
-        choices=["all", "chat", "responses"],
+        choices=["all", "chat", "responses", "messages"],
         default="all",
         help="which proxy route the cases measure (the direct side is always the stub's chat route)",
     )
@@ -439,7 +447,11 @@ def main() -> int:
         wait_http(f"{stub_url}/health")
         proxy = Proxy(stub_url, db_path)
         direct = f"{stub_url}/v1/chat/completions"
-        via = {"chat": f"{proxy.url}/v1/chat/completions", "responses": f"{proxy.url}/v1/responses"}
+        via = {
+            "chat": f"{proxy.url}/v1/chat/completions",
+            "responses": f"{proxy.url}/v1/responses",
+            "messages": f"{proxy.url}/v1/messages",
+        }
         # warm up both paths (connection pools, code paths, SQLite file)
         wrk(direct, script, 4, 1, "", 0, False)
         for route in via:
@@ -452,6 +464,8 @@ def main() -> int:
             ("throughput c=64 delay=50ms stream", 64, 0.05, True, "chat"),
             ("responses: latency c=1 delay=0", 1, 0.0, False, "responses"),
             ("responses: throughput c=64 delay=50ms stream", 64, 0.05, True, "responses"),
+            ("messages: latency c=1 delay=0", 1, 0.0, False, "messages"),
+            ("messages: throughput c=64 delay=50ms stream", 64, 0.05, True, "messages"),
         ]
         cases = [c for c in cases if args.route in ("all", c[4])]
         rounds = 3 if args.quick else 5
