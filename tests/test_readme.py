@@ -5,7 +5,8 @@ Each fenced block carries a tag (tests/readme_blocks.py explains them). Client e
 programs (python, bash with curl, node) against the proxy `rlproxy serve` runs (`build_app` under
 its uvicorn config) on the tiny model, in each setup the tag names, with only the environment the
 README tells users to set: `OPENAI_BASE_URL` (plain or path-form) and, when the proxy has an agents'
-key, `OPENAI_API_KEY`. The proxy maps the README's model name (`smollm2-135m`) to the tiny model
+key, `OPENAI_API_KEY` (and their Anthropic twins `ANTHROPIC_BASE_URL`, `ANTHROPIC_API_KEY` for
+docs/anthropic.md). The proxy maps the README's model name (`smollm2-135m`) to the tiny model
 with `RLPROXY_MODEL_MAP`, as the README says an app with another model name is served. A block
 that posts a reward must also fail (exit non-zero) when the proxy refuses the reward. SQL and
 data blocks run in a folder whose `rlproxy.db` a short real run made (traffic through the proxy,
@@ -108,14 +109,16 @@ def _proxy(loop_thread: Any, engine: Any, tmp: Path, key: str | None, **unchecke
 
 def _env(**extra: str) -> dict[str, str]:
     """The test's environment minus anything OPENAI_/RLPROXY_, the venv first on PATH, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "RLPROXY_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "RLPROXY_"))}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     return {**env, **extra}
 
 
 def _setup_env(setup: str, proxy: ProxyServer) -> dict[str, str]:
+    """OpenAI's variables, and Anthropic's for docs/anthropic.md (its SDK's base URL has no `/v1`)."""
     base = f"{proxy.url}/runs/ep-1/v1" if setup.startswith("path") else f"{proxy.url}/v1"
-    return _env(OPENAI_BASE_URL=base, **({"OPENAI_API_KEY": KEY} if setup.endswith("key") else {}))
+    key = {"OPENAI_API_KEY": KEY, "ANTHROPIC_API_KEY": KEY} if setup.endswith("key") else {}
+    return _env(OPENAI_BASE_URL=base, ANTHROPIC_BASE_URL=base.removesuffix("/v1"), **key)
 
 
 def _run(block: Block, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
