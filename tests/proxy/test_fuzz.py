@@ -172,3 +172,53 @@ def test_deep_nesting_never_500(client, depth, where):
     _check(client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}))
     reward = json.dumps({"reward": 1, "metadata": {"a": "@"}}).replace('"@"', nested)
     _check(client.post("/v1/runs/r1/reward", content=reward, headers={"content-type": "application/json"}))
+
+
+# --- Anthropic's Messages API (issue 27): never a 500, every error in Anthropic's shape ------------
+
+block = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking"]) | junk},
+    optional={"text": junk, "id": junk, "name": junk, "input": junk, "tool_use_id": junk, "content": junk},
+)
+messages_bodies = (
+    st.fixed_dictionaries(
+        {
+            "model": st.just("stub-model") | junk,
+            "max_tokens": st.integers(min_value=-1, max_value=8) | junk,
+            "messages": st.lists(
+                st.fixed_dictionaries(
+                    {"role": st.sampled_from(["user", "assistant"]) | junk},
+                    optional={"content": st.text(max_size=20) | st.lists(block, max_size=3) | junk},
+                ),
+                max_size=3,
+            )
+            | junk,
+        },
+        optional={
+            "system": st.text(max_size=10) | st.lists(block, max_size=2) | junk,
+            "tools": junk,
+            "tool_choice": junk,
+            "stop_sequences": junk,
+            "stream": st.booleans() | junk,
+            "temperature": junk,
+            "metadata": junk,
+            "thinking": junk,
+        },
+    )
+    | junk
+)
+
+
+def _check_anthropic(resp: httpx.Response) -> None:
+    assert resp.status_code < 500 or resp.status_code in (502, 503, 504), resp.text[:500]
+    if resp.status_code >= 400:
+        body = resp.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+        assert "Traceback" not in body["error"]["message"], body
+
+
+@FUZZ
+@given(body=messages_bodies, path=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]))
+def test_messages_never_500(client, body, path):
+    _check_anthropic(client.post(path, content=_raw(body), headers={"content-type": "application/json"}))
