@@ -388,6 +388,24 @@ def test_x_api_key_is_the_agents_key(make_proxy: Any, engine_backend: Any, tiny_
     assert proxy.state.drop_headers >= {b"authorization", b"x-api-key"}
 
 
+def test_limits_apply_in_anthropics_shape(make_proxy: Any, stub: Any) -> None:
+    """The body limit (413, before the route) and the guard's Host check answer in Anthropic's shape."""
+    proxy = make_proxy(stub.url, max_body_bytes=2048)
+    c = client(proxy.url, "big")
+    with pytest.raises(anthropic.APIStatusError) as info:
+        c.messages.create(
+            model="stub-model", max_tokens=5, messages=[{"role": "user", "content": "x" * 4096}]
+        )
+    assert info.value.status_code == 413
+    assert info.value.body["error"]["type"] == "request_too_large"
+    r = httpx.post(f"{proxy.url}/v1/messages", json={}, headers={"host": "evil.example"})
+    assert r.status_code == 421 and r.json()["type"] == "error"
+    assert c.messages.create(
+        model="stub-model", max_tokens=5, messages=[{"role": "user", "content": "x"}]
+    ).content
+    assert proxy.query("SELECT count(*) FROM completions") == [(1,)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Tool calls out of the model: a stub upstream that answers with vLLM-shaped tool calls
 
