@@ -157,7 +157,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
                 handed_off = True
                 return _relay(px, resp, rec, inj, started, step_header, call, upstream_model)
             try:
-                resp.content = await resp.read()
+                resp.content = resp.content or await resp.read()  # (`_unclamped` may have read it)
             finally:
                 resp.close()
         return _answer(px, resp, rec, inj, started, step_header, call)

@@ -24,6 +24,7 @@ from pydantic import TypeAdapter
 from stub_upstream import StubUpstream
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
+HI = [{"role": "user", "content": "hi"}]
 WEATHER = {
     "name": "get_weather",
     "description": "Weather of a city",
@@ -359,6 +360,18 @@ def test_bad_json_and_wrong_types_are_400_not_422(engine_proxy: Any) -> None:
         headers={"content-type": "application/json"},
     )
     assert r.status_code == 400 and "type" not in r.json() and r.json()["error"]["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_refusal_is_relayed_in_anthropics_shape(engine_proxy: Any, stream: bool) -> None:
+    """The engine's own 400 (temperature out of range), not a context overflow: relayed with its
+    message, streamed or not (the clamp check reads the refusal and must not lose it)."""
+    body = {"model": "tiny", "max_tokens": 5, "messages": HI, "temperature": 5.0, "stream": stream}
+    r = httpx.post(f"{engine_proxy.url}/v1/messages", json=body, headers={"X-Run-Id": "refused"}, timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "temperature" in r.json()["error"]["message"]
+    (row,) = rows(engine_proxy, "run_id = 'refused'")
+    assert (row["status"], row["status_code"]) == ("error", 400) and "temperature" in row["error"]
 
 
 def test_x_api_key_is_the_agents_key(make_proxy: Any, engine_backend: Any, tiny_model_dir: Any) -> None:
