@@ -51,6 +51,10 @@ class Sample:
     rebuilt: bool = False
     truncated: bool = False
 
+    @property
+    def positions(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
 
 @dataclass
 class SampleCounts:

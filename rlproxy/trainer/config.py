@@ -108,7 +108,29 @@ class TrainerConfig(BaseModel):
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient-norm clip")
-    micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward; bounds memory")
+    micro_batch_size: int = Field(8, ge=1, description="rows (segments) per forward/backward at most")
+    micro_batch_tokens: int | None = Field(
+        2048,
+        ge=16,
+        description="padded token positions per forward/backward at most (rows x longest row; a longer "
+        "row runs alone): bounds activation memory; None = micro_batch_size alone",
+    )
+    merge_calls: bool = Field(
+        True,
+        description="merge a run's calls token-exactly into segments (a call whose prompt extends the "
+        "previous prompt + sampled ids is appended); false = one sample per call (docs/training-segments.md)",
+    )
+    loss_weighting: Literal["run", "per_call"] = Field(
+        "run",
+        description="what a loss's 'sequence' is: run = one trajectory (GRPO's o_i), per_call = each call "
+        "(the behaviour before merged segments)",
+    )
+    completion_budget: int | None = Field(
+        None,
+        ge=1,
+        description="dr_grpo's constant normalizer, in sampled tokens per run; None = the step's largest "
+        "sum of a run's requested max_tokens (loss_weighting=per_call: max_seq_len)",
+    )
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in backward: less memory, slower (prompts not shared)"
     )
