@@ -8,12 +8,14 @@ order (every choice of a call in turn) and each one is placed by the first rule 
     extend   its prompt starts with a segment's tokens (previous prompts + sampled ids): only the new
              suffix is appended, as context (trained 0), then its sampled ids (trained 1, each with its
              own call's stored logprob, temperature and policy_step). The longest such segment wins.
-    retry    its prompt starts with the *prompt* of one of a segment's calls but not with what that
-             call sampled: the agent (or an SDK retry after a timeout) re-asked from there, so that
-             call and every later one of the segment are abandoned. They are cut off the segment (never
-             trained, counted `merge/abandoned`) and the new call continues it from that prompt. This is
-             AReaL's rule (an orphaned completion, one no later call builds on, is dropped) applied at
-             the point of the fork; a retry is thus never trained twice.
+    retry    its prompt *equals* the prompt of one of a segment's calls: an SDK retry after a timeout
+             (or an agent re-asking the same thing) whose first answer nobody used. That call and every
+             later one of the segment are abandoned: cut off the segment (never trained, counted
+             `merge/retries` and `merge/abandoned_tokens`) and the new call continues from that prompt.
+             AReaL's rule (an orphaned completion, one no later call builds on, is dropped) at the point
+             of the re-send; the same prompt is never trained twice. Only an identical prompt counts: a
+             prompt that merely starts like an earlier one cannot be told, by its tokens, from a
+             re-rendered history, so it is a break and both leaves train (as ART's prefix tree does).
     branch   choice j > 0 of an `n > 1` call: a new segment, its copied history all context (only its
              own sampled ids train), so no token is trained twice (ART's prefix tree trains each
              leaf once, the shared prefix as context).
@@ -309,11 +311,11 @@ def _extend(open_: list[Segment], prompt: list[int]) -> Segment | None:
 
 
 def _retry(open_: list[Segment], prompt: list[int], counts: MergeCounts) -> Segment | None:
-    """A segment one of whose calls' prompts this prompt starts with: cut there (the rest is abandoned)."""
+    """A segment one of whose calls had exactly this prompt: cut there (that call on is abandoned)."""
     best: tuple[Segment, int] | None = None
     for seg in open_:
         for end, _ in seg.calls:
-            if len(prompt) >= end and (best is None or end > best[1]) and prompt[:end] == seg.ids[:end]:
+            if len(prompt) == end and (best is None or end > best[1]) and prompt == seg.ids[:end]:
                 best = (seg, end)
     if best is None:
         return None
