@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlproxy.errors import TrainerError
-from rlproxy.storage.training import RunData
+from rlproxy.storage.training import STEP_COLUMNS, RunData
+from rlproxy.storage.training import step_columns as step_columns  # re-exported: service, offline
 from rlproxy.trainer import losses
 from rlproxy.trainer.batches import baseline_index
 from rlproxy.trainer.config import TrainerConfig, learning_rate_for
@@ -252,27 +253,7 @@ def train_step(
     )
 
 
-# The `training_steps` columns (migration 0005) and the metric each one copies. `kl/step` is the KL to
-# the base model (k3) when beta > 0, else the approximate KL to the sampling policy (free: no ref pass).
-COLUMN_METRICS: dict[str, str] = {
-    "reward_std": "reward/std",
-    "zero_variance_frac": "reward/zero_variance_frac",
-    "kl": "kl/step",
-    "clip_frac_low": "clip/low_frac",
-    "clip_frac_high": "clip/high_frac",
-    "entropy": "entropy/mean",
-    "completion_len_mean": "batch/completion_len_mean",
-    "policy_lag_mean": "perf/policy_lag_mean",
-    "tokens_per_s": "perf/tokens_per_s",
-    "grad_norm": "loss/grad_norm",
-}
-
-
-def step_columns(metrics: dict[str, Any]) -> dict[str, float | None]:
-    """The per-step metric columns of a step's namespaced metrics; missing or non-finite values are None."""
-    out: dict[str, float | None] = {}
-    for column, key in COLUMN_METRICS.items():
-        value = metrics.get(key)
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        out[column] = float(value) if ok else None
-    return out
+# The `training_steps` columns and the metric each one copies: derived from their one owner,
+# storage/training.py STEP_COLUMNS. `kl/step` is the KL to the base model (k3) when beta > 0, else the
+# approximate KL to the sampling policy (free: no ref pass).
+COLUMN_METRICS: dict[str, str] = {column: spec.metric for column, spec in STEP_COLUMNS.items()}

@@ -6,6 +6,7 @@ before segments (build_samples -> micro_batches -> completion_logits -> policy_l
 
 from __future__ import annotations
 
+import json
 import weakref
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from rlproxy.trainer import losses
 from rlproxy.trainer.batches import baseline_index, build_samples, collate, micro_batches
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.model import completion_logits, load_policy, row_logprobs, token_logprobs
-from rlproxy.trainer.rows import collate_rows, micro_batches_by_tokens
+from rlproxy.trainer.rows import collate_rows
 from rlproxy.trainer.segments import assign_weights, build_segments
 from rlproxy.trainer.step import train_step
 
@@ -282,3 +283,40 @@ def test_peak_memory_follows_micro_batch_tokens(policy) -> None:
     )
     # measured: 24.5 MB (per call, today's), 19.3 MB (per call, chunked head), 10.1 MB merged in 4 rows
     assert saved.peak > 2 * four and unmerged > 1.5 * four
+
+
+async def test_sql_says_why_a_run_split(policy, engine, add_run) -> None:
+    """Per step: positions merged vs unmerged and breaks as columns; per run: segments and why."""
+    from sqlalchemy import text
+
+    from rlproxy.storage.training import commit_step, load_runs, step_columns
+
+    model, tok = policy
+    first = [5, 17, 42, 99, 7]
+    calls = [
+        {"prompt_token_ids": first, "token_ids": [[11, 12]], "logprobs": [[-1.0, -1.0]]},
+        {"prompt_token_ids": first + [11, 12, 30], "token_ids": [[13]], "logprobs": [[-1.0]]},
+        {"prompt_token_ids": first + [11, 99, 30, 13, 31], "token_ids": [[14]], "logprobs": [[-1.0]]},
+    ]
+    await add_run(engine, "split", reward=1.0, completions=calls)
+    await add_run(engine, "whole", reward=0.0, completions=calls[:2])
+    runs = await load_runs(engine, ["split", "whole"])
+    result = train_step(model, tok, Capture(lora(model)), runs, TrainerConfig())
+    await commit_step(
+        engine, policy="tiny", step=1, run_ids=["split", "whole"], adapter_path=None,
+        metrics=result.metrics, columns=step_columns(result.metrics), run_segments=result.run_segments,
+    )  # fmt: skip
+    async with engine.connect() as conn:
+        step = (
+            await conn.execute(
+                text("SELECT positions_merged, positions_unmerged, segment_breaks FROM training_steps")
+            )
+        ).one()
+        split = (
+            await conn.execute(text("SELECT id, segments, segment_breaks FROM runs WHERE segments > 1"))
+        ).all()
+    # split: [5 + 2 + 1 + 1] = 9 and a new row of 10 + 1; whole: 9. Unmerged: (7 + 9 + 11) + (7 + 9)
+    assert tuple(step) == (9 + 11 + 9, 43, 1)
+    assert [(r.id, r.segments, json.loads(r.segment_breaks)) for r in split] == [
+        ("split", 2, [{"seq": 2, "reason": "prefix_mismatch", "at": 6, "of": 9}])
+    ]
