@@ -1,4 +1,8 @@
-"""Trainer settings: plain values, each with its range or reason. Saved with every step and checkpoint."""
+"""Trainer settings: plain values, each with its range or reason. Saved with every step and checkpoint.
+
+Imports nothing of the trainer's: every other trainer module may import it (the tracker names that
+`report_to` accepts live here for that reason; reporting.py sends to them).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,22 @@ LR_ANCHOR_HIDDEN = 576
 LR_ANCHOR = 1e-3
 LR_EXPONENT = 0.75
 LR_FALLBACK = 1e-4  # a model whose config names no hidden size
+
+
+TRACKERS: dict[str, str] = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+}  # name -> module
+
+
+def parse_report_to(value: str | None) -> list[str]:
+    """The tracker names of a comma list ("tensorboard,wandb"); ValueError for an unknown one."""
+    names = [n.strip().lower() for n in (value or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ValueError(f"unknown tracker(s) {unknown}; report_to takes {', '.join(TRACKERS)}")
+    return list(dict.fromkeys(names))
 
 
 def learning_rate_for(hidden_size: int | None) -> float:
@@ -168,6 +188,4 @@ class TrainerConfig(BaseModel):
     @field_validator("report_to")
     @classmethod
     def _known_trackers(cls, value: str) -> str:
-        from rlproxy.trainer.reporting import parse_report_to
-
         return ",".join(parse_report_to(value))

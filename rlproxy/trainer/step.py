@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -37,8 +37,20 @@ from rlproxy.trainer.model import (
 from rlproxy.trainer.rows import micro_batches_by_tokens
 from rlproxy.trainer.segments import assign_weights, build_segments, default_budget
 
-if TYPE_CHECKING:
-    from rlproxy.trainer.distributed import Ranks
+
+class Ranks(Protocol):
+    """What a step needs of a `rlproxy train --nproc N` job (distributed.Ranks is one): declared here so
+    that step.py imports nothing of distributed.py (which imports this module to run steps)."""
+
+    @property
+    def leader(self) -> bool: ...
+
+    def share(self, samples: list[Any], runs: list[RunData]) -> list[Any]: ...
+
+    def reduce(
+        self, model: Any, loss: float, sums: dict[str, float], lag0: tuple[float, float], micro: int
+    ) -> tuple[float, dict[str, float], tuple[float, float], int]: ...
+
 
 log = logging.getLogger(__name__)
 

@@ -191,3 +191,31 @@ def test_advantages_finite_for_any_finite_rewards(scale: str) -> None:
     g0, g1 = 0.5 / (math.sqrt(0.5) + 1e-4), 0.125 / (math.sqrt(2 * 0.125**2) + 1e-4)  # c / (std + eps)
     expected = [0.5, -0.5, 0.125, -0.125] if scale == "none" else [g0, -g0, g1, -g1]
     assert adv.tolist() == pytest.approx(expected, rel=1e-4)
+
+
+def test_trainer_modules_import_one_way() -> None:
+    """Issue 23 item 4: config <-> reporting <-> step <-> distributed <-> model imported each other
+    (lazily or for types); now the arrows form no cycle, type-only and function-level imports included."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "rlproxy" / "trainer"
+    mods = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    edges: dict[str, set[str]] = {}
+    for m in mods:
+        deps = set()
+        for node in ast.walk(ast.parse((folder / f"{m}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rlproxy.trainer"):
+                names = (
+                    [node.module.rsplit(".", 1)[-1]]
+                    if node.module != "rlproxy.trainer"
+                    else [n.name for n in node.names]
+                )
+                deps |= {n for n in names if n in mods and n != m}
+        edges[m] = deps
+
+    def reaches(a: str, b: str, seen: frozenset[str] = frozenset()) -> bool:
+        return any(d == b or (d not in seen and reaches(d, b, seen | {d})) for d in edges[a])
+
+    core = ["config", "reporting", "step", "distributed", "model", "batches", "segments", "rows", "losses"]
+    assert [m for m in core if reaches(m, m)] == []
