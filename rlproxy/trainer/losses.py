@@ -15,6 +15,8 @@ Read top to bottom, like the papers:
                     dr_grpo sum over all tokens / (sequences * max_len)  (max_len a constant: no length bias)
                     dapo    mean over all tokens of the batch (long answers weigh by their length)
                     gspo    mean over sequences (the ratio is already per sequence)
+    per token       token_policy_loss: sum_t w_t l_t, the weights w_t set when the batch is built
+                    (segments.assign_weights), which is how train_step aggregates merged segments
 
 Shapes: `B` sequences, `T` completion positions; `mask` is 1.0 on sampled tokens, 0.0 on padding.
 Nothing here knows about models, batches or storage; tests/trainer/test_losses.py checks exact numbers.

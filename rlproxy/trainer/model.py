@@ -5,6 +5,11 @@ runs a step on CUDA). Training mode without dropout, so the trainer's log-probab
 ones the server sampled from; on CUDA the weights are bf16 and the LM head fp32 (a bf16 head rounds
 log-probabilities by ~1e-2, the noise floor of every importance ratio). The reference model of the
 KL term is the same weights with the adapter switched off, so it costs no memory, only a forward.
+
+train_step runs `row_logprobs`: the decoder body on merged rows, then the LM head only at the
+positions that predict trained tokens, in checkpointed chunks (no (B, T, V) logits). The per-call
+`completion_logits` / `token_logprobs` (B, C, V) remain for SFT and for the tests' per-call oracle.
+This file is over 300 lines because it holds both forms of the one policy's forward.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """One GRPO optimizer step on a LoRA adapter, from rewarded runs to updated weights.
 
 Synchronous torch code: the service calls it from its one trainer thread, never on the event loop.
-The phases run in a fixed order, one comment each: advantages → batch → reference log-probs (only
-with a KL term) → forward/backward with gradient accumulation → clip → optimizer step → log.
-The math lives in `losses.py`.
+The phases run in a fixed order, one comment each: advantages → batch (a run's calls merged into
+segments, every trained token's weight; segments.py) → reference log-probs (only with a KL term) →
+forward/backward with gradient accumulation → clip → optimizer step → log. The math lives in
+`losses.py`; the forward (decoder body, LM head in chunks, never (B, T, V) logits) in `model.py`.
 
 A step whose loss or gradient norm is not finite changes nothing (no optimizer step: the service
 then neither checkpoints nor publishes, and its runs stay trainable); `step/skipped_nonfinite` says so.
