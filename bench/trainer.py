@@ -1,6 +1,14 @@
 """GRPO step throughput: rlproxy's trainer vs TRL's GRPOTrainer, same model, batch and LoRA, same run.
 
     .venv/bin/python bench/trainer.py [--quick] [--threads N] [--steps N] [--swap-only] [--swaps N]
+    .venv/bin/python bench/trainer.py --shape directory [--old-tree /work/main] [--micro-batch-tokens N]
+
+`--shape directory` times one step on a group of 8 multi-call tool-using episodes (32 calls, ~9.3k
+prompt tokens; bench/trainer_directory.py says how they are made): the old path (one sample per
+call, loss_weighting=per_call, micro_batch_size 8), the new one (merged segments, per-run weights,
+micro_batch_tokens), and merged with per_call weights (its gradient norm must equal the old one's);
+`--old-tree` also runs the old path with rlproxy imported from that checkout (the code before
+merged segments). The rest of this note is about the single-call shape.
 
 Method. Both sides train SmolLM2-135M-Instruct (fp32, CPU unless CUDA is there) with LoRA r=8,
 alpha=16 on q,k,v,o,gate,up,down, on one batch of 8 sequences x 128 tokens (64 prompt + 64
@@ -42,6 +50,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import trainer_directory  # bench/: the directory shape
 
 ROOT = Path(__file__).resolve().parents[1]
 B, PROMPT_LEN, COMPLETION_LEN, GROUP = 8, 64, 64, 4
@@ -277,9 +287,12 @@ def worker_swap_vllm(model_dir: str, swaps: int, vllm_python: str) -> dict:
     return {"times": asyncio.run(go()), "cpu": []}
 
 
-def run_worker(kind: str, model_dir: str, steps: int, threads: int, *extra: str) -> dict:
+def run_worker(
+    kind: str, model_dir: str, steps: int, threads: int, *extra: str, tree: str | None = None
+) -> dict:
     env = {
         **os.environ,
+        **({"PYTHONPATH": tree} if tree else {}),
         "OMP_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
@@ -316,7 +329,29 @@ def main() -> None:
         "--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"), help="python that has vLLM"
     )
     ap.add_argument(
-        "--worker", choices=["ours", "trl", "trl-default", "swap", "swap-vllm"], help=argparse.SUPPRESS
+        "--shape",
+        choices=["single", "directory"],
+        default="single",
+        help="single: the one-call batch vs TRL; directory: 8 multi-call episodes, old vs new path",
+    )
+    ap.add_argument(
+        "--old-tree",
+        help="directory: also time the old path with rlproxy imported from this checkout (e.g. main's)",
+    )
+    ap.add_argument("--micro-batch-tokens", type=int, default=2048, help="directory: the new path's budget")
+    ap.add_argument(
+        "--worker",
+        choices=[
+            "ours",
+            "trl",
+            "trl-default",
+            "swap",
+            "swap-vllm",
+            "dir-old",
+            "dir-new",
+            "dir-merged-per-call",
+        ],
+        help=argparse.SUPPRESS,
     )
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -334,6 +369,9 @@ def main() -> None:
             "trl-default": lambda d, n: worker_trl(d, n, checkpointing=True),
             "swap": worker_swap,
             "swap-vllm": lambda d, n: worker_swap_vllm(d, n, a.vllm_python),
+            "dir-old": lambda d, n: trainer_directory.worker(d, n, "old", None),
+            "dir-new": lambda d, n: trainer_directory.worker(d, n, "new", a.micro_batch_tokens),
+            "dir-merged-per-call": lambda d, n: trainer_directory.worker(d, n, "merged-per-call", None),
         }[a.worker]
         out = work(a.model_dir, steps)
         out["peak_rss_mb"] = peak_rss_mb()
@@ -343,6 +381,9 @@ def main() -> None:
     from rlproxy.inference.models import resolve_model
 
     model_dir = resolve_model(a.model, cache_dir=a.cache_dir)
+    if a.shape == "directory":
+        directory_figures(a, model_dir, steps)
+        return
     if not a.swap_only:
         print(__doc__.split("\n\n", 2)[2].strip())
         print(f"\nmodel {a.model} ({model_dir}), {a.threads} torch threads, {steps} timed steps per side\n")
@@ -385,6 +426,51 @@ def step_figures(a: argparse.Namespace, model_dir: str, steps: int) -> None:
             f"{o[1] / d[1]:.2f}x (best), {o[2] / d[2]:.2f}x per CPU-second, "
             f"peak RSS {o[3]:.0f} / {d[3]:.0f} MB"
         )
+
+
+def directory_figures(a: argparse.Namespace, model_dir: str, steps: int) -> None:
+    """Step time and peak RSS on the directory group: the old path (one sample per call) vs merged."""
+    print(trainer_directory.__doc__.strip())
+    print(
+        f"\nmodel {a.model}, {a.threads} torch threads, {steps} timed steps per side, "
+        f"load {os.getloadavg()}\n"
+    )
+    kinds = [
+        ("old", "dir-old", None),
+        ("new", "dir-new", None),
+        ("merged per_call", "dir-merged-per-call", None),
+    ]
+    if a.old_tree:
+        kinds.insert(0, (f"old code ({a.old_tree})", "dir-old", a.old_tree))
+    extra = ("--micro-batch-tokens", str(a.micro_batch_tokens))
+    res: dict[str, list[dict]] = {k[0]: [] for k in kinds}
+    for _ in range(a.rounds):  # interleaved, so a busy machine slows each side alike
+        for name, kind, tree in kinds:
+            res[name].append(run_worker(kind, model_dir, steps, a.threads, *extra, tree=tree))
+    med = {}
+    for name, runs in res.items():
+        r = runs[0]
+        times = [t for x in runs for t in x["times"]]
+        cpu = [t for x in runs for t in x["cpu"]]
+        rss = max(x["peak_rss_mb"] for x in runs)
+        med[name] = (statistics.median(times), statistics.median(cpu), rss)
+        print(
+            f"{name:>16}: step {med[name][0]:6.2f} s median ({', '.join(f'{t:.2f}' for t in times)}), "
+            f"{med[name][1]:6.2f} CPU-s, peak RSS {rss:.0f} MB, {r['positions']:.0f} positions in "
+            f"{r['micro_batches']:.0f} micro-batches, grad norm {r['grad_norm']:.8f}"
+        )
+        if r.get("merge/positions_merged") is not None:
+            print(
+                f"{'':>18}{r['calls']} calls, {r['prompt_tokens']} prompt tokens; merged "
+                f"{r['merge/positions_merged']:.0f} vs unmerged {r['merge/positions_unmerged']:.0f} "
+                "positions, "
+                f"{r['merge/segments']:.0f} segments, {r['merge/breaks']:.0f} breaks"
+            )
+    o, n = med["old"], med["new"]
+    print(
+        f"\nnew / old: {o[0] / n[0]:.2f}x faster (median wall), {o[1] / n[1]:.2f}x per CPU-second "
+        f"(goal >= 2.5x); peak RSS new {n[2]:.0f} MB (goal <= 4096)"
+    )
 
 
 def swap_figures(a: argparse.Namespace, model_dir: str, vllm_dir: str, vllm_model: str) -> None:

@@ -140,6 +140,8 @@ STEP_COLUMNS = (
     "grad norm",
     "lag",
     "tok/s",
+    "positions",  # merged/unmerged: what the forward passes ran after merging calls (issue 21)
+    "breaks",
 )
 
 
@@ -169,7 +171,15 @@ def step_cells(s: dict[str, Any]) -> list[str]:
         _sig(s.get("grad_norm")),
         _num(s.get("policy_lag_mean"), 2),
         _num(s.get("tokens_per_s"), 0),
+        _positions(s),
+        "" if s.get("segment_breaks") is None else str(s["segment_breaks"]),
     ]
+
+
+def _positions(s: dict[str, Any]) -> str:
+    """Token positions trained after merging a run's calls into segments / one sample per call."""
+    merged, unmerged = s.get("positions_merged"), s.get("positions_unmerged")
+    return "" if merged is None or unmerged is None else f"{int(merged)}/{int(unmerged)}"
 
 
 def print_steps(steps: list[dict[str, Any]]) -> None:

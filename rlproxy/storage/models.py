@@ -90,6 +90,14 @@ class Run(Base):
         server_default="0",
         comment="seq the run's next completion gets (the writers' counter, see storage/rows.py)",
     )
+    # merged segments (migration 0010; trainer/segments.py): what the trainer made of the run's calls
+    segments: Mapped[int | None] = mapped_column(
+        Integer, comment="rows the trainer merged the run's calls into (1: every call extended the last)"
+    )
+    segment_breaks: Mapped[str | None] = mapped_column(
+        Text,
+        comment='why the run split: JSON list of {"seq", "reason", "at", "of"} (NULL: no break)',
+    )
 
     __table_args__ = (
         Index("ix_runs_status_group", "status", "group_id"),
@@ -209,6 +217,16 @@ class TrainingStep(Base):
         Float, comment="mean reward of the val runs served by step - 1 (at the commit)"
     )
     val_runs: Mapped[int | None] = mapped_column(Integer, comment="how many val runs val_reward averages")
+    # merged segments (migration 0010; trainer/segments.py)
+    positions_merged: Mapped[int | None] = mapped_column(
+        Integer, comment="token positions the step's forward passes ran (calls merged into segments)"
+    )
+    positions_unmerged: Mapped[int | None] = mapped_column(
+        Integer, comment="positions one sample per trained call would have run (prompt + completion)"
+    )
+    segment_breaks: Mapped[int | None] = mapped_column(
+        Integer, comment="calls that did not extend their run's earlier tokens: a new segment each"
+    )
 
     __table_args__ = (UniqueConstraint("policy", "step", name="uq_training_steps_policy_step"),)
 

@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.storage.db import connect_write
 from rlproxy.storage.models import Completion, Run, RunStatus, TrainingStep
+from rlproxy.storage.training import STEP_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -210,20 +211,9 @@ async def expire_runs(engine: AsyncEngine, older_than_s: float) -> int:
 
 # --- read-only access for the CLI and the read-only dashboard -------------------------------------
 
-# The per-step metric columns of migration 0005, and where older rows (or a store before 0005) keep
-# the same number in the step's `metrics` JSON.
-STEP_METRICS: dict[str, tuple[str, ...]] = {
-    "reward_std": ("reward/std",),
-    "zero_variance_frac": ("reward/frac_zero_std",),
-    "kl": ("kl/ref", "kl/approx"),
-    "clip_frac_low": ("clip/low_frac",),
-    "clip_frac_high": ("clip/high_frac",),
-    "entropy": ("entropy/mean",),
-    "completion_len_mean": ("perf/completion_len_mean",),
-    "policy_lag_mean": ("perf/policy_lag_mean",),
-    "tokens_per_s": ("perf/tokens_per_s",),
-    "grad_norm": ("loss/grad_norm",),
-}
+# The per-step metric columns (storage/training.py STEP_COLUMNS, their one owner), and where older rows
+# (or a store before migration 0005) keep the same number in the step's `metrics` JSON.
+STEP_METRICS: dict[str, tuple[str, ...]] = {c: (spec.metric, *spec.older) for c, spec in STEP_COLUMNS.items()}
 
 
 def _shown(url: str) -> str:

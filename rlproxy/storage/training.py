@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -40,20 +41,46 @@ from rlproxy.storage.validation import step_summary
 
 log = logging.getLogger(__name__)
 
-# what commit_step's `columns` may set: the per-step metric columns of migration 0005
-STEP_METRIC_COLUMNS: tuple[str, ...] = (
-    "reward_std",
-    "zero_variance_frac",
-    "kl",
-    "clip_frac_low",
-    "clip_frac_high",
-    "entropy",
-    "completion_len_mean",
-    "policy_lag_mean",
-    "tokens_per_s",
-    "grad_norm",
-    "kind",
-)
+
+@dataclass(frozen=True)
+class StepColumn:
+    """A per-step metric column of `training_steps`: the step metric it copies, and the keys older rows
+    kept the same number under in their `metrics` JSON (read back by storage/queries.step_table)."""
+
+    metric: str
+    older: tuple[str, ...] = ()
+    integer: bool = False  # an INTEGER column (a count), else FLOAT
+
+
+# THE list of per-step metric columns: the trainer's step_columns, commit_step's check and the CLI's
+# fallback all derive from it. Migration 0005 (the FLOAT ones) and 0010 (merged segments: the counts).
+STEP_COLUMNS: dict[str, StepColumn] = {
+    "reward_std": StepColumn("reward/std"),
+    "zero_variance_frac": StepColumn("reward/zero_variance_frac", ("reward/frac_zero_std",)),
+    "kl": StepColumn("kl/step", ("kl/ref", "kl/approx")),
+    "clip_frac_low": StepColumn("clip/low_frac"),
+    "clip_frac_high": StepColumn("clip/high_frac"),
+    "entropy": StepColumn("entropy/mean"),
+    "completion_len_mean": StepColumn("batch/completion_len_mean"),
+    "policy_lag_mean": StepColumn("perf/policy_lag_mean"),
+    "tokens_per_s": StepColumn("perf/tokens_per_s"),
+    "grad_norm": StepColumn("loss/grad_norm"),
+    "positions_merged": StepColumn("merge/positions_merged", integer=True),
+    "positions_unmerged": StepColumn("merge/positions_unmerged", integer=True),
+    "segment_breaks": StepColumn("merge/breaks", integer=True),
+}
+# what commit_step's `columns` may set: the metric columns and `kind`
+STEP_METRIC_COLUMNS: tuple[str, ...] = (*STEP_COLUMNS, "kind")
+
+
+def step_columns(metrics: dict[str, Any]) -> dict[str, float | int | None]:
+    """The per-step metric columns of a step's namespaced metrics; missing or non-finite values are None."""
+    out: dict[str, float | int | None] = {}
+    for column, spec in STEP_COLUMNS.items():
+        value = metrics.get(spec.metric)
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        out[column] = (int(value) if spec.integer else float(value)) if ok else None
+    return out
 
 
 TRAINABLE = (RunStatus.completed, RunStatus.ungrouped)  # the statuses a step may take runs from
@@ -396,8 +423,12 @@ async def commit_step(
     metrics: dict[str, Any] | None = None,
     config: dict[str, Any] | None = None,
     columns: dict[str, Any] | None = None,
+    run_segments: dict[str, tuple[int, str | None]] | None = None,
 ) -> None:
     """Record step `step` of `policy` and mark its runs `trained`, all or nothing.
+
+    `run_segments` gives each run's `segments` and `segment_breaks` (migration 0010: how many rows
+    its calls merged into, and why it split: a JSON list of {seq, reason, at, of}).
 
     `columns` fills the per-step metric columns (`kl`, `grad_norm`, ..., `kind`; migration 0005);
     `val_reward` / `val_runs` are the val runs served by step - 1, read in the same transaction.
@@ -429,6 +460,9 @@ async def commit_step(
                 f"step {step} of policy {policy!r}: {len(run_ids) - res.rowcount} of {len(run_ids)} runs "
                 "are no longer completed (trained or skipped elsewhere); nothing was committed"
             )
+        for rid, (n, why) in (run_segments or {}).items():
+            if rid in run_ids:
+                await conn.execute(update(Run).where(Run.id == rid).values(segments=n, segment_breaks=why))
         # the adapter this step started from (step - 1), measured by the val runs it served so far
         val_reward, val_runs = await step_summary(conn, policy, step - 1)
         await conn.execute(

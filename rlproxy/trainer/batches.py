@@ -1,4 +1,9 @@
-"""Stored completions -> samples -> padded tensors for the policy's forward pass.
+"""Stored completions -> one sample per call -> padded tensors: the per-call form and its helpers.
+
+train_step merges a run's calls into segments (segments.py, rows.py); this per-call form remains for
+what works call by call: the helpers segments.py shares (prompts of a choice, stored logprobs,
+temperature, the chat-template fallback), the baseline groups, SFT (sft.py), and the tests' oracle
+of the per-call gradient (tests/trainer/test_merged_step.py).
 
 Every choice of every completion of a run is one sample carrying the run's advantage. Its input is
 the exact prompt the server saw plus the tokens it sampled (`prompt_token_ids` + `token_ids`; a
@@ -50,6 +55,10 @@ class Sample:
     temperature: float = 1.0  # the request's sampling temperature
     rebuilt: bool = False
     truncated: bool = False
+
+    @property
+    def positions(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
 
 
 @dataclass

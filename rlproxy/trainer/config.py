@@ -1,4 +1,8 @@
-"""Trainer settings: plain values, each with its range or reason. Saved with every step and checkpoint."""
+"""Trainer settings: plain values, each with its range or reason. Saved with every step and checkpoint.
+
+Imports nothing of the trainer's: every other trainer module may import it (the tracker names that
+`report_to` accepts live here for that reason; reporting.py sends to them).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,22 @@ LR_ANCHOR_HIDDEN = 576
 LR_ANCHOR = 1e-3
 LR_EXPONENT = 0.75
 LR_FALLBACK = 1e-4  # a model whose config names no hidden size
+
+
+TRACKERS: dict[str, str] = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+}  # name -> module
+
+
+def parse_report_to(value: str | None) -> list[str]:
+    """The tracker names of a comma list ("tensorboard,wandb"); ValueError for an unknown one."""
+    names = [n.strip().lower() for n in (value or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ValueError(f"unknown tracker(s) {unknown}; report_to takes {', '.join(TRACKERS)}")
+    return list(dict.fromkeys(names))
 
 
 def learning_rate_for(hidden_size: int | None) -> float:
@@ -108,7 +128,29 @@ class TrainerConfig(BaseModel):
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient-norm clip")
-    micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward; bounds memory")
+    micro_batch_size: int = Field(8, ge=1, description="rows (segments) per forward/backward at most")
+    micro_batch_tokens: int | None = Field(
+        2048,
+        ge=16,
+        description="padded token positions per forward/backward at most (rows x longest row; a longer "
+        "row runs alone): bounds activation memory; None = micro_batch_size alone",
+    )
+    merge_calls: bool = Field(
+        True,
+        description="merge a run's calls token-exactly into segments (a call whose prompt extends the "
+        "previous prompt + sampled ids is appended); false = one sample per call (docs/training-segments.md)",
+    )
+    loss_weighting: Literal["run", "per_call"] = Field(
+        "run",
+        description="what a loss's 'sequence' is: run = one trajectory (GRPO's o_i), per_call = each call "
+        "(the behaviour before merged segments)",
+    )
+    completion_budget: int | None = Field(
+        None,
+        ge=1,
+        description="dr_grpo's constant normalizer, in sampled tokens per run; None = the step's largest "
+        "sum of a run's requested max_tokens (loss_weighting=per_call: max_seq_len)",
+    )
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in backward: less memory, slower (prompts not shared)"
     )
@@ -146,6 +188,4 @@ class TrainerConfig(BaseModel):
     @field_validator("report_to")
     @classmethod
     def _known_trackers(cls, value: str) -> str:
-        from rlproxy.trainer.reporting import parse_report_to
-
         return ",".join(parse_report_to(value))

@@ -33,7 +33,7 @@ import logging
 import os
 import signal
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from rlproxy.trainer import checkpoint as ckpt
 from rlproxy.trainer.batches import Sample, baseline_group
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.model import load_policy, trainable_parameters
+from rlproxy.trainer.segments import Segment
+
+Unit = TypeVar("Unit", Sample, Segment)  # what a rank trains: per-call samples or merged segments
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class Ranks:
     def leader(self) -> bool:
         return self.rank == 0
 
-    def share(self, samples: list[Sample], runs: list[RunData]) -> list[Sample]:
+    def share(self, samples: list[Unit], runs: list[RunData]) -> list[Unit]:
         """This rank's samples of the step (see `share`)."""
         return share(samples, runs, self.rank, self.world)
 
@@ -100,17 +103,17 @@ class Ranks:
         )
 
 
-def share(samples: list[Sample], runs: list[RunData], rank: int, world: int) -> list[Sample]:
+def share(samples: list[Unit], runs: list[RunData], rank: int, world: int) -> list[Unit]:
     """The samples rank `rank` of `world` trains on: whole groups when there are at least `world` of
     them (their samples share a prompt, which a micro-batch runs once), else single samples; each unit
     to the rank with the fewest tokens so far, longest first (LPT). Every rank computes the same split.
     """
     group_of = {r.run_id: baseline_group(r) for r in runs}
-    units: dict[Any, list[Sample]] = {}
+    units: dict[Any, list[Unit]] = {}
     for s in samples:
         units.setdefault(group_of[s.run_id], []).append(s)
     parts = list(units.values()) if len(units) >= world else [[s] for s in samples]
-    size = lambda part: sum(len(s.prompt_ids) + len(s.completion_ids) for s in part)  # noqa: E731
+    size = lambda part: sum(s.positions for s in part)  # noqa: E731
     ordered = sorted(range(len(parts)), key=lambda i: (-size(parts[i]), i))  # stable: ties by position
     load, owner = [0] * world, {}
     for i in ordered:

@@ -15,6 +15,8 @@ Read top to bottom, like the papers:
                     dr_grpo sum over all tokens / (sequences * max_len)  (max_len a constant: no length bias)
                     dapo    mean over all tokens of the batch (long answers weigh by their length)
                     gspo    mean over sequences (the ratio is already per sequence)
+    per token       token_policy_loss: sum_t w_t l_t, the weights w_t set when the batch is built
+                    (segments.assign_weights), which is how train_step aggregates merged segments
 
 Shapes: `B` sequences, `T` completion positions; `mask` is 1.0 on sampled tokens, 0.0 on padding.
 Nothing here knows about models, batches or storage; tests/trainer/test_losses.py checks exact numbers.
@@ -31,6 +33,7 @@ from torch import Tensor
 LossKind = Literal["grpo", "dr_grpo", "dapo", "gspo"]
 ADV_EPS = 1e-4  # TRL's epsilon: keeps A finite when a group's std is tiny
 ZERO_STD = 1e-6  # below this a group's rewards count as all equal
+ADV_MAX = 1e6  # scale_rewards=none: the largest |advantage| kept as is (float32 holds it exactly enough)
 # (epsilon, epsilon_high) each loss's paper uses: DAPO's clip-higher; GSPO's sequence ratio is a
 # geometric mean of token ratios, so it moves ~100x less than one token's and 0.2 would never clip
 CLIP_DEFAULTS: dict[str, tuple[float, float]] = {
@@ -112,18 +115,28 @@ def advantages(
     reward/ metrics, including the fraction of groups whose rewards were all equal (they carry no gradient).
     """
     rewards = rewards.to(torch.float64)
+    # any finite rewards: computed on rewards / s (s = the largest |reward|), so no sum or square
+    # overflows; (r - mean) / (std + eps) is the same number as (r/s - mean/s) / (std/s + eps/s)
+    s = float(rewards.abs().max().item()) if rewards.numel() else 1.0
+    s = s if math.isfinite(s) and s > 1.0 else 1.0
+    scaled = rewards / s
     num_groups = int(group_index.max().item()) + 1
     count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(rewards))
-    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, rewards) / count
-    centered = rewards - mean[group_index]  # (R,)
+    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, scaled) / count
+    centered = scaled - mean[group_index]  # (R,) in units of s
     sq = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, centered**2)
-    std = (sq / (count - 1).clamp(min=1)).sqrt()  # (G,) unbiased
-    adv = centered / (std[group_index] + ADV_EPS) if scale_rewards == "group" else centered
+    std = (sq / (count - 1).clamp(min=1)).sqrt()  # (G,) unbiased, in units of s
+    if scale_rewards == "group":
+        adv = centered / (std[group_index] + ADV_EPS / s)
+    else:
+        # unscaled advantages are rewards' size: beyond ADV_MAX they are scaled down together (same
+        # direction; a gradient that large is cut by max_grad_norm anyway), so float32 cannot overflow
+        adv = centered * min(s, ADV_MAX / max(float(centered.abs().max()), 1e-300))
     metrics = {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-        "reward/group_std_mean": std.mean().item(),
-        "reward/frac_zero_std": (std < ZERO_STD).to(torch.float64).mean().item(),
+        "reward/mean": float(scaled.mean()) * s,
+        "reward/std": float(scaled.std()) * s if rewards.numel() > 1 else 0.0,
+        "reward/group_std_mean": float(std.mean()) * s,
+        "reward/frac_zero_std": (std * s < ZERO_STD).to(torch.float64).mean().item(),
     }
     return adv.to(torch.float32), metrics
 
@@ -230,3 +243,69 @@ def batch_weight(kind: LossKind, mask: Tensor, total_seqs: int, total_tokens: in
     if kind == "dapo":
         return float(mask.sum().item()) / max(total_tokens, 1)
     return mask.shape[0] / max(total_seqs, 1)
+
+
+def token_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    adv: Tensor,
+    weight: Tensor,
+    kind: LossKind = "grpo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    ratio_cap: float | None = None,
+    ratio_group: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The clipped surrogate over N trained tokens, each with its own weight: loss = sum_t w_t l_t.
+
+    The flat form of `policy_loss` for merged segments: logp, old_logp, ref_logp, adv, weight are (N,)
+    (one entry per trained token; adv is its run's advantage). The weights were decided when the batch
+    was built (segments.assign_weights): summed over every micro-batch of the step they give the step's
+    loss, so micro-batches are summed as they are. gspo: `ratio_group` (N,) numbers each token's ratio
+    (0..G-1; its segment or call): the ratio is exp(mean log-ratio) over the group, one per group.
+    Metrics are means over the N tokens (a caller weighs micro-batches by their token counts).
+    """
+    eps_low, eps_high = epsilon, epsilon if epsilon_high is None else epsilon_high
+    a = adv.to(logp.dtype)
+    log_ratio = logp - old_logp  # (N,)
+    if kind == "gspo":
+        if ratio_group is None:
+            raise ValueError("gspo needs ratio_group: the sequence each token's ratio belongs to")
+        g = int(ratio_group.max().item()) + 1 if ratio_group.numel() else 0
+        count = torch.zeros(g, dtype=logp.dtype, device=logp.device).index_add_(
+            0, ratio_group, torch.ones_like(logp)
+        )
+        mean = torch.zeros(g, dtype=logp.dtype, device=logp.device).index_add_(0, ratio_group, log_ratio)
+        log_ratio = (mean / count.clamp(min=1))[ratio_group]  # (N,) each token carries its group's ratio
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * a
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a
+    per_token = -torch.min(unclipped, clipped)
+    if ratio_cap is not None:
+        per_token = torch.where(a < 0, torch.minimum(per_token, -ratio_cap * a), per_token)
+    kl = k3_kl(logp, ref_logp) if (beta > 0 and ref_logp is not None) else None
+    if kl is not None:
+        per_token = per_token + beta * kl
+    if kind not in ("grpo", "dr_grpo", "dapo", "gspo"):
+        raise ValueError(f"unknown loss kind {kind!r}; use grpo, dr_grpo, dapo or gspo")
+    loss = (per_token * weight.to(logp.dtype)).sum()
+    with torch.no_grad():
+        ones = torch.ones_like(logp)
+        low = ((ratio < 1 - eps_low) & (a < 0)).to(logp.dtype)
+        high = ((ratio > 1 + eps_high) & (a > 0)).to(logp.dtype)
+        capped = ((ratio > (ratio_cap or math.inf)) & (a < 0)).to(logp.dtype)
+        metrics = {
+            "loss/policy": loss.item(),
+            "kl/approx": approx_kl(log_ratio, ones).item(),
+            "clip/low_frac": masked_mean(low, ones).item(),
+            "clip/high_frac": masked_mean(high, ones).item(),
+            "clip/frac": masked_mean(torch.maximum(low, high), ones).item(),
+            "clip/ratio_mean": masked_mean(ratio, ones).item(),
+            "clip/ratio_max": ratio.max().item() if ratio.numel() else 0.0,
+            "clip/dual_frac": masked_mean(capped, ones).item(),
+        }
+        if kl is not None:
+            metrics["kl/ref"] = masked_mean(kl, ones).item()
+    return loss, metrics

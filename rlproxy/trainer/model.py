@@ -5,6 +5,11 @@ runs a step on CUDA). Training mode without dropout, so the trainer's log-probab
 ones the server sampled from; on CUDA the weights are bf16 and the LM head fp32 (a bf16 head rounds
 log-probabilities by ~1e-2, the noise floor of every importance ratio). The reference model of the
 KL term is the same weights with the adapter switched off, so it costs no memory, only a forward.
+
+train_step runs `row_logprobs`: the decoder body on merged rows, then the LM head only at the
+positions that predict trained tokens, in checkpointed chunks (no (B, T, V) logits). The per-call
+`completion_logits` / `token_logprobs` (B, C, V) remain for SFT and for the tests' per-call oracle.
+This file is over 300 lines because it holds both forms of the one policy's forward.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from rlproxy.errors import ModelError
 from rlproxy.trainer.batches import Batch
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.losses import sampled_logprobs
+from rlproxy.trainer.rows import Rows
 
 log = logging.getLogger(__name__)
 
@@ -206,3 +213,95 @@ def default_temperature(model: Any) -> float:
     (the embedded engine, and vLLM's `--generation-config auto`), else 1."""
     t = getattr(getattr(model, "generation_config", None), "temperature", None)
     return float(t) if t is not None else 1.0
+
+
+# --- merged segments: the decoder body once, the LM head only where a sampled token is predicted ---
+
+HEAD_CHUNK = 256  # positions per LM-head chunk: (256, V) fp32 is 50 MB at V = 49k, 150 MB at 150k
+
+
+def _body_and_head(model: Any) -> tuple[Any, Any]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def row_hidden_states(model: Any, rows: Rows) -> Tensor:
+    """The decoder's last hidden states (B, T, H) of the rows (no LM head, no logits).
+
+    With a shared prefix of L tokens it runs once (1, L) and its keys/values are fanned out to the B
+    rows, whose remaining T - L positions then run on top; the gradient flows back through the
+    fan-out, so values and gradients are those of running every row whole (tests/trainer/test_segments.py).
+    Gradient checkpointing keeps no KV cache: then every row runs whole.
+    """
+    decoder, _ = _body_and_head(model)
+    device = next(model.parameters()).device
+    ids = rows.input_ids.to(device)
+    B, T = ids.shape
+    L = rows.shared
+    if L and B > 1 and not gradient_checkpointing(model):
+        kw = _cache_kwarg(model)
+        first = decoder(
+            input_ids=ids[:1, :L], position_ids=torch.arange(L, device=device)[None], use_cache=True
+        )
+        cache = getattr(first, kw)
+        cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))  # (1, ...) -> (B, ...)
+        rest = decoder(
+            input_ids=ids[:, L:],
+            position_ids=torch.arange(L, T, device=device)[None].expand(B, -1),
+            **{kw: cache},
+            use_cache=True,
+        )
+        return torch.cat([first.last_hidden_state.expand(B, -1, -1), rest.last_hidden_state], dim=1)
+    position_ids = torch.arange(T, device=device)[None].expand(B, -1)
+    return decoder(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
+
+
+def _head_chunk(head: Any, h: Tensor, targets: Tensor, inv_temp: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp at T, raw logp at T = 1, entropy at T) of n positions: (n, H) -> three (n,)."""
+    z = head(h).float()  # (n, V)
+    zt = z * inv_temp.unsqueeze(-1)
+    lse = torch.logsumexp(zt, dim=-1)  # (n,)
+    logp = zt.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():
+        raw = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+        p = torch.exp(zt - lse.unsqueeze(-1))
+        entropy = lse - torch.where(p > 0, p * zt, 0.0).sum(-1)  # a -inf logit adds 0, not NaN
+    return logp, raw, entropy
+
+
+def row_logprobs(model: Any, rows: Rows, chunk: int = HEAD_CHUNK) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, raw, entropy), each (N,), of the rows' trained tokens; never a (B, T, V) tensor.
+
+    logp is log_softmax(z / T)[y] with gradient, T its call's temperature; raw the same at T = 1 and
+    entropy the tempered distribution's (both without gradient). The hidden states that predict
+    trained tokens are gathered (N, H) and the LM head + log-softmax run `chunk` positions at a time
+    under activation checkpointing: backward recomputes each chunk's logits instead of keeping them.
+    """
+    _, head = _body_and_head(model)
+    h = row_hidden_states(model, rows)  # (B, T, H)
+    device = h.device
+    picked = h[rows.row.to(device), rows.col.to(device) - 1]  # (N, H): position t - 1 predicts token t
+    del h
+    targets = rows.targets.to(device)
+    temp = rows.temperature
+    inv = torch.ones(len(targets), device=device) if temp is None else 1.0 / temp.to(device)
+    parts = []
+    for c0 in range(0, len(targets), chunk):
+        args = (picked[c0 : c0 + chunk], targets[c0 : c0 + chunk], inv[c0 : c0 + chunk])
+        if torch.is_grad_enabled() and picked.requires_grad:
+            parts.append(checkpoint(_head_chunk, head, *args, use_reentrant=False))
+        else:
+            parts.append(_head_chunk(head, *args))
+    if not parts:
+        empty = torch.zeros(0, device=device)
+        return empty, empty, empty
+    logp, raw, entropy = (torch.cat(x) for x in zip(*parts, strict=True))
+    return logp, raw, entropy
+
+
+@torch.no_grad()
+def reference_row_logprobs(model: Any, rows: Rows) -> Tensor:
+    """The base model's log-probabilities (adapter disabled) of the rows' trained tokens (N,)."""
+    ctx = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
+    with ctx:
+        return row_logprobs(model, rows)[0]

@@ -23,26 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlproxy.errors import ConfigError
+from rlproxy.trainer.config import TRACKERS as TRACKERS  # the names live with the settings
+from rlproxy.trainer.config import parse_report_to as parse_report_to
 
 if TYPE_CHECKING:
     from rlproxy.trainer.step import StepResult
 
 log = logging.getLogger(__name__)
-
-TRACKERS: dict[str, str] = {
-    "tensorboard": "tensorboard",
-    "wandb": "wandb",
-    "mlflow": "mlflow",
-}  # name -> module
-
-
-def parse_report_to(value: str | None) -> list[str]:
-    """The tracker names of a comma list ("tensorboard,wandb"); ValueError for an unknown one."""
-    names = [n.strip().lower() for n in (value or "").split(",") if n.strip()]
-    unknown = [n for n in names if n not in TRACKERS]
-    if unknown:
-        raise ValueError(f"unknown tracker(s) {unknown}; report_to takes {', '.join(TRACKERS)}")
-    return list(dict.fromkeys(names))
 
 
 def _safe(name: str) -> str:

@@ -460,6 +460,7 @@ class TrainerService:
                 metrics=result.metrics,
                 config=resolved_config(self.config),
                 columns={**step_columns(result.metrics), "kind": kind},
+                run_segments=result.run_segments,
             )
         except StepConflict:
             # the step belongs to nobody: forget its weights and its adapter, keep the last committed ones

@@ -1,9 +1,10 @@
 """One GRPO optimizer step on a LoRA adapter, from rewarded runs to updated weights.
 
 Synchronous torch code: the service calls it from its one trainer thread, never on the event loop.
-The phases run in a fixed order, one comment each: advantages → batch → reference log-probs (only
-with a KL term) → forward/backward with gradient accumulation → clip → optimizer step → log.
-The math lives in `losses.py`.
+The phases run in a fixed order, one comment each: advantages → batch (a run's calls merged into
+segments, every trained token's weight; segments.py) → reference log-probs (only with a KL term) →
+forward/backward with gradient accumulation → clip → optimizer step → log. The math lives in
+`losses.py`; the forward (decoder body, LM head in chunks, never (B, T, V) logits) in `model.py`.
 
 A step whose loss or gradient norm is not finite changes nothing (no optimizer step: the service
 then neither checkpoints nor publishes, and its runs stay trainable); `step/skipped_nonfinite` says so.
@@ -17,25 +18,40 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from rlproxy.errors import TrainerError
-from rlproxy.storage.training import RunData
+from rlproxy.storage.training import STEP_COLUMNS, RunData
+from rlproxy.storage.training import step_columns as step_columns  # re-exported: service, offline
 from rlproxy.trainer import losses
-from rlproxy.trainer.batches import baseline_index, build_samples, micro_batches
+from rlproxy.trainer.batches import baseline_index
 from rlproxy.trainer.config import TrainerConfig, learning_rate_for
 from rlproxy.trainer.model import (
-    completion_logits,
     default_temperature,
-    reference_logprobs,
+    reference_row_logprobs,
+    row_logprobs,
     trainable_parameters,
 )
+from rlproxy.trainer.rows import micro_batches_by_tokens
+from rlproxy.trainer.segments import assign_weights, build_segments, default_budget
 
-if TYPE_CHECKING:
-    from rlproxy.trainer.distributed import Ranks
+
+class Ranks(Protocol):
+    """What a step needs of a `rlproxy train --nproc N` job (distributed.Ranks is one): declared here so
+    that step.py imports nothing of distributed.py (which imports this module to run steps)."""
+
+    @property
+    def leader(self) -> bool: ...
+
+    def share(self, samples: list[Any], runs: list[RunData]) -> list[Any]: ...
+
+    def reduce(
+        self, model: Any, loss: float, sums: dict[str, float], lag0: tuple[float, float], micro: int
+    ) -> tuple[float, dict[str, float], tuple[float, float], int]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +74,8 @@ class StepResult:
     loss: float
     metrics: dict[str, float]
     skipped: bool = False  # the loss or the gradient was not finite: no optimizer step was taken
+    # per run: (segments trained, JSON list of its breaks or None): runs.segments / runs.segment_breaks
+    run_segments: dict[str, tuple[int, str | None]] = field(default_factory=dict)
 
 
 def make_optimizer(model: Any, config: TrainerConfig) -> torch.optim.Optimizer:
@@ -97,8 +115,9 @@ def train_step(
     adv, metrics = losses.advantages(rewards, group_index, config.scale_rewards)
     adv_of = {r.run_id: float(a) for r, a in zip(runs, adv.tolist(), strict=True)}
 
-    # 2. batch: every sampled completion is a sample carrying its run's advantage
-    samples, counts = build_samples(
+    # 2. batch: each run's calls merged token-exactly into segments (segments.py), every trained
+    #    token's loss weight decided here, then rows in micro-batches by a token budget (rows.py)
+    segments, counts = build_segments(
         runs,
         adv_of,
         tokenizer,
@@ -107,62 +126,72 @@ def train_step(
         max_policy_lag=config.max_policy_lag,
         overlong_filter=config.overlong_filter,
         default_temperature=default_temperature(model),
+        merge=config.merge_calls,
     )
-    if not samples and counts.stale:
+    if not segments and counts.stale:
         raise StaleRuns(f"all {counts.stale} samples of {len(runs)} runs are older than max_policy_lag")
-    if not samples:
+    if not segments:
         raise TrainerError(f"none of {len(runs)} runs has a completion to train on")
-    total_tokens = sum(len(s.completion_ids) for s in samples)  # the step's, on every rank
-    mine = samples if ranks is None else ranks.share(samples, runs)
-    batches = micro_batches(mine, config.micro_batch_size, tokenizer.pad_token_id) if mine else []
+    budget = config.completion_budget or default_budget(runs)
+    assign_weights(
+        segments, config.loss, config.loss_weighting, max_seq_len=config.max_seq_len, completion_budget=budget
+    )
+    total_tokens = sum(s.num_trained for s in segments)  # the step's, on every rank
+    mine = segments if ranks is None else ranks.share(segments, runs)
+    ratio_by = "call" if config.loss_weighting == "per_call" else "segment"
+    batches = (
+        micro_batches_by_tokens(
+            mine,
+            tokenizer.pad_token_id,
+            max_rows=config.micro_batch_size,
+            max_tokens=config.micro_batch_tokens,
+            ratio_by=ratio_by,
+        )
+        if mine
+        else []
+    )
     metrics.update(counts.metrics())
 
     # 3. reference log-probs: the base model (adapter off), only when the KL term is on
     ref: list[torch.Tensor | None] = [None] * len(batches)
     if config.beta > 0:
-        ref = [reference_logprobs(model, b) for b in batches]
+        ref = [reference_row_logprobs(model, b) for b in batches]
 
-    # 4. forward/backward with gradient accumulation: each micro-batch's mean loss is weighted so
-    #    the summed gradient is the gradient of the whole step's loss (by sequences, or by tokens for dapo)
+    # 4. forward/backward with gradient accumulation: every token's weight already divides by the
+    #    step's totals, so the micro-batches' losses simply add up to the step's loss
     optimizer.zero_grad(set_to_none=True)
     loss_total = 0.0
     sums: dict[str, float] = {}
     lag0_kl, lag0_tokens = 0.0, 0.0
     for batch, ref_logp in zip(batches, ref, strict=True):
-        logits = completion_logits(model, batch)  # (B, C, V)
-        targets = batch.completion_ids.to(logits.device)
-        logp = losses.sampled_logprobs(logits, targets, batch.temperature)  # (B, C) the tempered policy
-        raw = logp if batch.temperature is None else losses.sampled_logprobs(logits.detach(), targets)
-        entropy = losses.token_entropy(logits.detach(), batch.temperature)  # (B, C) a metric, no grad
-        del logits
+        logp, raw, entropy = row_logprobs(model, batch)  # (N,) the tempered policy; raw at T = 1; entropy
         stored = batch.old_logp.to(logp.device)
         old_logp = losses.behavior_logprobs(logp, raw, stored, config.sampling_logprobs)
-        loss, m = losses.policy_loss(
+        loss, m = losses.token_policy_loss(
             logp,
             old_logp,
             ref_logp,
             batch.advantages.to(logp.device),
-            batch.mask.to(logp.device),
+            batch.weight.to(logp.device),
             kind=config.loss,
             epsilon=eps_low,
             epsilon_high=eps_high,
             beta=config.beta,
-            max_len=config.max_seq_len,
             ratio_cap=config.ratio_cap,
+            ratio_group=batch.ratio_group.to(logp.device),
         )
-        m["entropy/mean"] = losses.masked_mean(entropy, batch.mask.to(entropy.device)).item()
-        w = losses.batch_weight(config.loss, batch.mask, len(samples), total_tokens)
-        (loss * w).backward()
-        loss_total += loss.item() * w
+        m["entropy/mean"] = entropy.mean().item() if entropy.numel() else 0.0
+        loss.backward()
+        loss_total += loss.item()
         share = batch.num_tokens / max(total_tokens, 1)  # metrics: token-weighted means
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + v * share
-        # lag-0 samples were drawn by these very weights: their log-ratio must be ~0
-        now = torch.tensor([s.policy_step == current_step for s in batch.samples], device=logp.device)
-        known = batch.mask.to(logp.device) * now.unsqueeze(1) * ~torch.isnan(stored)  # (B, C)
-        if known.sum() > 0:
-            lag0_kl += losses.approx_kl((logp - old_logp).detach(), known).item() * known.sum().item()
-            lag0_tokens += known.sum().item()
+        # lag-0 tokens were drawn by these very weights: their log-ratio must be ~0
+        known = (batch.policy_step.to(logp.device) == current_step) & ~torch.isnan(stored)  # (N,)
+        if known.any():
+            kf = known.to(logp.dtype)
+            lag0_kl += losses.approx_kl((logp - old_logp).detach(), kf).item() * kf.sum().item()
+            lag0_tokens += kf.sum().item()
 
     # 4b. several ranks: sum the gradients and the scalars (each rank's loss is already divided by
     #     the step's totals, so the sum is the single-process gradient)
@@ -188,8 +217,8 @@ def train_step(
 
     # 7. log: the same numbers go to the progress line and training_steps.metrics
     seconds = time.perf_counter() - started
-    lags = [current_step - s.policy_step for s in samples]
-    input_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    lags = [current_step - p for p in counts.policy_steps] or [0]
+    input_tokens = counts.positions_merged  # the positions the forward passes ran
     metrics.update(sums)
     lag0 = lag0_kl / lag0_tokens if lag0_tokens else 0.0
     mismatch = lag0_tokens >= LAG0_MIN_TOKENS and lag0 > LAG0_MISMATCH_KL
@@ -233,30 +262,11 @@ def train_step(
         loss=loss_total,
         metrics=metrics,
         skipped=skipped,
+        run_segments=counts.run_breaks(),
     )
 
 
-# The `training_steps` columns (migration 0005) and the metric each one copies. `kl/step` is the KL to
-# the base model (k3) when beta > 0, else the approximate KL to the sampling policy (free: no ref pass).
-COLUMN_METRICS: dict[str, str] = {
-    "reward_std": "reward/std",
-    "zero_variance_frac": "reward/zero_variance_frac",
-    "kl": "kl/step",
-    "clip_frac_low": "clip/low_frac",
-    "clip_frac_high": "clip/high_frac",
-    "entropy": "entropy/mean",
-    "completion_len_mean": "batch/completion_len_mean",
-    "policy_lag_mean": "perf/policy_lag_mean",
-    "tokens_per_s": "perf/tokens_per_s",
-    "grad_norm": "loss/grad_norm",
-}
-
-
-def step_columns(metrics: dict[str, Any]) -> dict[str, float | None]:
-    """The per-step metric columns of a step's namespaced metrics; missing or non-finite values are None."""
-    out: dict[str, float | None] = {}
-    for column, key in COLUMN_METRICS.items():
-        value = metrics.get(key)
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        out[column] = float(value) if ok else None
-    return out
+# The `training_steps` columns and the metric each one copies: derived from their one owner,
+# storage/training.py STEP_COLUMNS. `kl/step` is the KL to the base model (k3) when beta > 0, else the
+# approximate KL to the sampling policy (free: no ref pass).
+COLUMN_METRICS: dict[str, str] = {column: spec.metric for column, spec in STEP_COLUMNS.items()}

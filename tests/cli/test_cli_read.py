@@ -163,6 +163,8 @@ def test_steps_table(db):
         "norm",
         "lag",
         "tok/s",
+        "positions",
+        "breaks",
     ]
     rows = {tuple(line.split()[:2]): line.split() for line in lines[1:-1]}
     assert rows[("p", "2")] == [

@@ -21,6 +21,9 @@ COLUMNS = {
     "policy_lag_mean": 1.5,
     "tokens_per_s": 1234.5,
     "grad_norm": 0.875,
+    "positions_merged": 4006,  # migration 0010
+    "positions_unmerged": 10478,
+    "segment_breaks": 2,
     "kind": "grpo",
 }
 
@@ -36,7 +39,7 @@ async def test_commit_step_writes_the_columns(engine: AsyncEngine) -> None:
     async with engine.connect() as conn:
         rows = (await conn.execute(text(f"SELECT step, {names} FROM training_steps ORDER BY step"))).all()
     assert dict(zip(STEP_METRIC_COLUMNS, rows[0][1:], strict=True)) == COLUMNS
-    assert rows[1][1:] == (None,) * 10 + ("sft",)
+    assert rows[1][1:] == (None,) * 13 + ("sft",)
 
 
 async def test_columns_added_to_existing_steps(any_db_url: str) -> None:

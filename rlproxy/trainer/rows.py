@@ -1,0 +1,119 @@
+"""Segments -> right-padded rows in micro-batches bounded by a token budget.
+
+A micro-batch holds at most `micro_batch_size` rows and, when `micro_batch_tokens` is set, at most
+that many padded positions (rows x longest row): activation memory follows the budget, not the
+episode length or the number of calls. A row longer than the budget runs alone (its length is
+bounded by max_seq_len). Rows are right-padded and run without an attention mask: causal attention
+never lets a real position see the padding after it, and padding predicts nothing trained.
+
+The rows of a micro-batch usually begin with the same tokens (a group's runs start from the same
+task prompt): their longest common prefix (`shared`) is run once and its keys/values fanned out
+(model.row_logprobs). Only the N trained tokens are gathered: `row`, `col` say where each sits,
+and the hidden state at col - 1 predicts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rlproxy.trainer.segments import Segment
+
+MIN_SHARED = 16  # a shorter common prefix is not worth a second forward call
+
+
+@dataclass
+class Rows:
+    """B right-padded rows of T positions and the N trained tokens in them."""
+
+    input_ids: Tensor  # (B, T)
+    shared: int  # the rows' longest common prefix, run once (0: every row runs whole)
+    row: Tensor  # (N,) row of each trained token
+    col: Tensor  # (N,) its position in the row (>= 1)
+    targets: Tensor  # (N,) the sampled token ids
+    old_logp: Tensor  # (N,) stored sampling logprobs, NaN where unknown
+    temperature: Tensor | None  # (N,) sampling temperature of each token's call; None when all are 1
+    advantages: Tensor  # (N,) the run's advantage
+    weight: Tensor  # (N,) the loss weight
+    policy_step: Tensor  # (N,) the adapter step that sampled each token
+    ratio_group: Tensor  # (N,) gspo's ratio unit: 0..G-1, one per segment (or per call)
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.targets.numel())
+
+    @property
+    def positions(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def collate_rows(segments: list[Segment], pad_id: int, ratio_by: str = "segment") -> Rows:
+    """Pad segments into one Rows; `ratio_by` segment or call numbers gspo's ratio groups."""
+    B, T = len(segments), max(len(s) for s in segments)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    row, col, old, temp, adv, weight, step, group = [], [], [], [], [], [], [], []
+    groups: dict[tuple[int, int], int] = {}
+    for i, s in enumerate(segments):
+        input_ids[i, : len(s)] = torch.tensor(s.ids, dtype=torch.long)
+        for t, on in enumerate(s.trained):
+            if not on or t == 0:
+                continue
+            key = (i, s.call[t] if ratio_by == "call" else -1)
+            row.append(i)
+            col.append(t)
+            old.append(s.old_logprobs[t])
+            temp.append(s.temperature[t])
+            adv.append(s.advantage)
+            weight.append(s.weight[t] if s.weight else 0.0)
+            step.append(s.policy_step[t])
+            group.append(groups.setdefault(key, len(groups)))
+    row_t, col_t = torch.tensor(row, dtype=torch.long), torch.tensor(col, dtype=torch.long)
+    temperature = torch.tensor(temp, dtype=torch.float32)
+    return Rows(
+        input_ids=input_ids,
+        shared=_shared_prefix(input_ids, [len(s) for s in segments]),
+        row=row_t,
+        col=col_t,
+        targets=input_ids[row_t, col_t],
+        old_logp=torch.tensor(old, dtype=torch.float32),
+        temperature=temperature if bool((temperature != 1.0).any()) else None,
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        weight=torch.tensor(weight, dtype=torch.float64),
+        policy_step=torch.tensor(step, dtype=torch.long),
+        ratio_group=torch.tensor(group, dtype=torch.long),
+        segments=segments,
+    )
+
+
+def _shared_prefix(ids: Tensor, lengths: list[int]) -> int:
+    """The rows' longest common prefix, at most the shortest row minus one (so every row runs on)."""
+    if ids.shape[0] < 2:
+        return 0
+    same = (ids == ids[:1]).all(dim=0)  # (T,)
+    differs = (~same).nonzero()
+    n = int(differs[0]) if differs.numel() else ids.shape[1]
+    n = min(n, min(lengths) - 1)
+    return n if n >= MIN_SHARED else 0
+
+
+def micro_batches_by_tokens(
+    segments: list[Segment], pad_id: int, *, max_rows: int, max_tokens: int | None, ratio_by: str = "segment"
+) -> list[Rows]:
+    """Segments, longest first, cut into micro-batches of <= max_rows rows and <= max_tokens padded
+    positions (None: rows only); a segment alone over the budget gets a micro-batch of its own."""
+    ordered = sorted(segments, key=len, reverse=True)
+    out: list[list[Segment]] = []
+    for s in ordered:
+        cur = out[-1] if out else None
+        # longest first: the micro-batch's first row is its longest, so its padded size is rows x that
+        fits = cur is not None and len(cur) < max_rows
+        if fits and max_tokens is not None:
+            fits = (len(cur) + 1) * len(cur[0]) <= max_tokens
+        if fits:
+            cur.append(s)
+        else:
+            out.append([s])
+    return [collate_rows(part, pad_id, ratio_by) for part in out]
