@@ -192,6 +192,13 @@ def test_disconnect_through_serve_stops_the_engine_and_stores_cancelled(
         assert took < 1.0, f"the engine kept the row {took:.2f} s after the client left"
         assert _metric(base, "rlproxy_engine_tokens") - first <= MAX_AFTER
         assert _metric(base, "rlproxy_engine_cancelled") == 1
+        # the prefix cache is on by default and reports on the proxy's /metrics: the cancelled
+        # row's KV was kept, so the same conversation again (an SDK's retry) reuses it
+        assert _metric(base, "rlproxy_engine_prefix_cache_bytes") > 0
+        hits = _metric(base, "rlproxy_engine_prefix_cache_hits")
+        again = {**args["json"], "max_tokens": 2, "stream": False}
+        assert httpx.post(f"{base}/v1/chat/completions", json=again, timeout=60).status_code == 200
+        assert _metric(base, "rlproxy_engine_prefix_cache_hits") == hits + 1
         status = None
         for _ in range(100):
             out = subprocess.run(
