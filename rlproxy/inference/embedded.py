@@ -29,6 +29,7 @@ from rlproxy.inference.server import create_engine_app
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 1024  # completion cap of a chat request without max_tokens (issue 22: not the context)
+DEFAULT_PREFIX_CACHE_BYTES = 512 * 2**20  # the prefix KV cache's bound (settings.engine_prefix_cache_bytes)
 
 
 class _QuietServer(uvicorn.Server):
@@ -51,7 +52,7 @@ class EmbeddedBackend:
         threads: int | None = None,
         max_batch: int = 16,
         api_key: str | None = None,
-        prefix_cache_bytes: int = 0,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     ) -> None:
         self.model = model
@@ -168,7 +169,7 @@ def run_engine(
     cache_dir: str | Path | None = None,
     max_batch: int = 16,
     api_key: str | None = None,
-    prefix_cache_bytes: int = 0,
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> None:
     """Serve the embedded engine alone until interrupted (`rlproxy engine`); `api_key` as above.
