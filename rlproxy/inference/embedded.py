@@ -137,6 +137,13 @@ class EmbeddedBackend:
             engine, self.engine = self.engine, None
             await asyncio.to_thread(engine.close)
 
+    async def shared_base(self) -> Any:
+        """The base model as a twin sharing the engine's weight tensors (one copy in memory): what a
+        trainer in this process should put its LoRA on instead of loading the weights again."""
+        if self.engine is None:
+            raise BackendUnavailable("the embedded engine is not started")
+        return await asyncio.wrap_future(self.engine.shared_base())
+
     def metrics_collector(self) -> EngineCollector:
         """A Prometheus collector of this backend's engine figures, read at scrape time (register it
         in the proxy's registry; it reports nothing while the engine is not started)."""

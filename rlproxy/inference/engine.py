@@ -39,6 +39,7 @@ from rlproxy.inference import kvbatch
 from rlproxy.inference.adapters import BASE_SLOT, AdapterSlots
 from rlproxy.inference.prefix_cache import PrefixCache
 from rlproxy.inference.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprob
+from rlproxy.inference.shared_base import twin_model
 from rlproxy.inference.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,11 @@ class Engine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", fn, fut))
         return fut
+
+    def shared_base(self) -> concurrent.futures.Future:
+        """A twin of the base model made of the engine's own weight tensors (`shared_base.py`), for a
+        trainer in this process to put its own LoRA on; built on the worker thread."""
+        return self.call(lambda: twin_model(self.adapters.base))
 
     def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> concurrent.futures.Future:
         """Load a LoRA adapter on the worker thread; the future raises AdapterError(status=...).
