@@ -18,6 +18,9 @@ Cancellation (issue 22): `cancel` goes through the inbox behind the request it n
 never be lost; the worker drops the rows between two decode steps and frees their slots at once.
 
     submit(req) ──queue──> worker: admit → prefill → [decode step → sample → emit]* → release
+
+(Over 400 lines: the worker loop and the batch state it alone owns read best in one place; the
+tensor surgery on the batch's KV is in `kvbatch.py`, the prefix cache in `prefix_cache.py`.)
 """
 
 from __future__ import annotations
