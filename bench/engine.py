@@ -7,6 +7,14 @@ Measures completion tokens/s of (1) plain `model.generate`, batch 1, one prompt 
 once. Every run generates exactly `max_tokens` per request (EOS ignored) so the counts are equal.
 Then the peak RSS of `run_engine` (what `rlproxy engine` runs) in a child process while it serves
 8 concurrent requests. Goals from issue 2: (3)/(2) >= 3x, peak RSS <= 1.5 GB.
+
+    python bench/engine.py --directory [--groups N] [--threads N]
+
+Issue 21: sampling a `directory` group (the demo's real agent loop, `rlproxy.demo.directory`:
+8 episodes at once, 3-5 calls each, every call's prompt extending the last with the reply and a
+tool result) with the prefix cache off vs on, on two engines side by side, alternating groups with
+the same seeds. Both engines must produce the same replies (the cache changes no output); figures
+are wall time per group, prompt positions prefilled and the cache's hit rate. Goal: >= 1.6x.
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -166,6 +176,81 @@ def peak_rss_while_serving(max_tokens: int, threads: int) -> float:
             proc.wait()
 
 
+def bench_directory(groups: int, threads: int, cache_bytes: int) -> dict[str, float]:
+    """Sample `groups` directory groups on a cache-off and a cache-on engine, alternating."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlproxy.demo.directory import DIRECTORY, play_episode
+
+    torch.set_num_threads(threads)
+
+    async def start(size: int) -> EmbeddedBackend:
+        backend = EmbeddedBackend(MODEL, threads=threads, max_batch=16, prefix_cache_bytes=size)
+        await backend.start()
+        return backend
+
+    loop = asyncio.new_event_loop()
+    backends = {"off": loop.run_until_complete(start(0)), "on": loop.run_until_complete(start(cache_bytes))}
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    seconds = {"off": 0.0, "on": 0.0}
+    replies: dict[str, list] = {"off": [], "on": []}
+    calls = 0
+    try:
+
+        def group(mode: str, seed: int) -> list:
+            backend = backends[mode]
+            client = openai.OpenAI(base_url=f"{backend.base_url}/v1", api_key="x", max_retries=0, timeout=900)
+            people = tuple(random.Random(seed).sample(sorted(DIRECTORY), 2))
+            with ThreadPoolExecutor(8) as pool:
+                return list(
+                    pool.map(
+                        lambda i: play_episode(
+                            client, backend.served_model, "bench", people, seed=seed * 100 + i
+                        ),
+                        range(8),
+                    )
+                )
+
+        for mode in ("off", "on"):  # warm up: one call each
+            group_client = openai.OpenAI(base_url=f"{backends[mode].base_url}/v1", api_key="x", max_retries=0)
+            _ = group_client.chat.completions.create(
+                model=backends[mode].served_model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            engine = backends[mode].engine
+            assert engine is not None
+            engine.stats.update(prefill_tokens=0, prompt_tokens=0)
+        for g in range(groups):
+            order = ("off", "on") if g % 2 == 0 else ("on", "off")  # drifting load hits both sides
+            for mode in order:
+                start_t = time.perf_counter()
+                episodes = group(mode, 1000 + g)
+                seconds[mode] += time.perf_counter() - start_t
+                replies[mode].append([e.replies for e in episodes])
+                if mode == "on":
+                    calls += sum(e.calls for e in episodes)
+            print(f"  group {g + 1}: {sum(len(r) for r in replies['on'][-1])} calls", flush=True)
+        stats = {m: dict(backends[m].engine.stats) for m in backends}  # type: ignore[union-attr]
+        cache = backends["on"].engine.prefix_cache  # type: ignore[union-attr]
+        return {
+            "groups": groups,
+            "calls": calls,
+            "same_replies": float(replies["off"] == replies["on"]),
+            "off_s": seconds["off"] / groups,
+            "on_s": seconds["on"] / groups,
+            "off_prefill": stats["off"]["prefill_tokens"] / groups,
+            "on_prefill": stats["on"]["prefill_tokens"] / groups,
+            "prompt": stats["on"]["prompt_tokens"] / groups,
+            "hit_rate": cache.stats["hits"] / max(1, cache.stats["lookups"]),
+            "reused": cache.stats["tokens_reused"] / max(1, cache.stats["tokens_looked_up"]),
+            "cache_mb": cache.bytes / 2**20,
+        }
+    finally:
+        for backend in backends.values():
+            asyncio.run_coroutine_threadsafe(backend.stop(), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 def _free_port() -> int:
     import socket
 
@@ -185,7 +270,33 @@ def main() -> None:
         "--repeats", type=int, default=None, help="alternating rounds (best kept); 1 quick, 2 full"
     )
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS measurement")
+    ap.add_argument("--directory", action="store_true", help="directory groups, prefix cache off vs on")
+    ap.add_argument("--groups", type=int, default=3, help="--directory: groups per mode")
+    ap.add_argument(
+        "--cache-bytes", type=int, default=512 * 2**20, help="--directory: prefix cache of the 'on' engine"
+    )
     args = ap.parse_args()
+    if args.directory:
+        print(f"model {MODEL}: directory groups (8 episodes each), torch threads {args.threads}", flush=True)
+        r = bench_directory(args.groups, args.threads, args.cache_bytes)
+        print(
+            f"groups per mode                     : {r['groups']:8d}   ({r['calls']} calls with the cache on)"
+        )
+        print(f"same replies, cache off and on      : {'yes' if r['same_replies'] else 'NO'}")
+        print(f"prompt positions per group          : {r['prompt']:8.0f}")
+        print(
+            f"prefilled per group, cache off      : {r['off_prefill']:8.0f}   (twins of one admission once)"
+        )
+        print(f"prefilled per group, cache on       : {r['on_prefill']:8.0f}")
+        print(
+            f"prefix cache hit rate (lookups)     : {r['hit_rate']:8.2f}   "
+            f"({r['reused']:.2f} of prompt tokens reused)"
+        )
+        print(f"prefix cache held at the end        : {r['cache_mb']:8.1f} MiB")
+        print(f"seconds per group, cache off        : {r['off_s']:8.1f}")
+        print(f"seconds per group, cache on         : {r['on_s']:8.1f}")
+        print(f"ratio off / on                      : {r['off_s'] / r['on_s']:8.2f}x   (goal >= 1.6x)")
+        return
     max_tokens = args.max_tokens or (32 if args.quick else 128)
     args.repeats = args.repeats or (1 if args.quick else 2)
     path = resolve_model(MODEL)

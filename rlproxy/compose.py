@@ -70,8 +70,9 @@ def make_backend(settings: Settings) -> Backend:
             extra_args=settings.vllm_args,
             startup_timeout=settings.vllm_startup_timeout,
             api_key=settings.upstream_api_key if settings.upstream else secrets.token_urlsafe(32),
+            default_max_tokens=settings.engine_default_max_tokens,
         )
-    from rlproxy.inference.embedded import EmbeddedBackend
+    from rlproxy.inference.embedded import DEFAULT_MAX_TOKENS, EmbeddedBackend
 
     return EmbeddedBackend(
         settings.model,
@@ -80,6 +81,8 @@ def make_backend(settings: Settings) -> Backend:
         threads=settings.engine_threads,
         max_batch=settings.engine_max_batch,
         api_key=secrets.token_urlsafe(32),
+        prefix_cache_bytes=settings.engine_prefix_cache_bytes,
+        default_max_tokens=settings.engine_default_max_tokens or DEFAULT_MAX_TOKENS,
     )
 
 
@@ -177,6 +180,8 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     policies = Policies(base_model, settings.model_map)
     gate = TrainGate(settings.blocking_train)
     metrics = Metrics()
+    if hasattr(backend, "metrics_collector"):  # the embedded engine's prefix cache and counters
+        metrics.registry.register(backend.metrics_collector())
 
     services: list[Any] = []
     if settings.init_adapter:  # before the trainer: its first step continues the initial adapter

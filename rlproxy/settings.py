@@ -239,6 +239,20 @@ class Settings(BaseSettings, TrainerConfig):
     judge_max_chars: int = Field(
         4000, ge=200, description="characters of each trajectory shown to the judge (the end is kept)"
     )
+    # --- embedded engine: prefix cache, completion cap (issues 21, 22; docs/engine.md) ---
+    engine_prefix_cache_bytes: int = Field(
+        512 * 2**20,
+        ge=0,
+        description="bytes of KV the embedded engine keeps for prompts and completions it has seen (LRU, "
+        "per adapter), so a run's next call prefills only its new tokens; 0 = off",
+    )
+    engine_default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="completion tokens of a chat request that sets no max_tokens; None = 1024 on the "
+        "embedded engine and vLLM's own (the rest of the context) on a launched vLLM, which gets a set "
+        "value as `--override-generation-config`",
+    )
 
     @field_validator("upstream", mode="before")
     @classmethod

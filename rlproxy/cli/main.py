@@ -181,7 +181,7 @@ def engine(
     ] = None,
 ) -> None:
     """Serve the embedded engine alone (an OpenAI-compatible server with vLLM's adapter routes)."""
-    from rlproxy.inference.embedded import run_engine
+    from rlproxy.inference.embedded import DEFAULT_MAX_TOKENS, run_engine
     from rlproxy.proxy import server as http_server
 
     settings = make_settings(model=model, engine_threads=threads, api_key=api_key, host=host, port=port)
@@ -193,6 +193,9 @@ def engine(
         threads=settings.engine_threads,
         cache_dir=Path(settings.cache_dir).expanduser(),
         api_key=settings.api_key,
+        max_batch=settings.engine_max_batch,
+        prefix_cache_bytes=settings.engine_prefix_cache_bytes,
+        default_max_tokens=settings.engine_default_max_tokens or DEFAULT_MAX_TOKENS,
     )
 
 

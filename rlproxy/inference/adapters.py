@@ -108,6 +108,11 @@ class AdapterSlots:
         """Whether any adapter slot is loaded (then forward needs `adapter_names`)."""
         return self.peft is not None and bool(getattr(self.peft, "peft_config", {}))
 
+    def live_slots(self) -> set[str]:
+        """The slots a new row can be given (the base and each name's current slot): the prefix
+        cache keeps only their KV."""
+        return {BASE_SLOT, *(slot.name for slot in self.names.values())}
+
     def listing(self) -> dict[str, str]:
         """Adapter name → folder, for `/v1/models`."""
         return {name: slot.path for name, slot in self.names.items()}

@@ -22,10 +22,14 @@ import uvicorn
 
 from rlproxy.errors import BackendUnavailable
 from rlproxy.inference.engine import Engine
+from rlproxy.inference.engine_metrics import EngineCollector
 from rlproxy.inference.models import resolve_model, served_name
 from rlproxy.inference.server import create_engine_app
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 1024  # completion cap of a chat request without max_tokens (issue 22: not the context)
+DEFAULT_PREFIX_CACHE_BYTES = 512 * 2**20  # the prefix KV cache's bound (settings.engine_prefix_cache_bytes)
 
 
 class _QuietServer(uvicorn.Server):
@@ -48,8 +52,12 @@ class EmbeddedBackend:
         threads: int | None = None,
         max_batch: int = 16,
         api_key: str | None = None,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     ) -> None:
         self.model = model
+        self.prefix_cache_bytes = prefix_cache_bytes  # the engine's prefix KV cache (0 = off)
+        self.default_max_tokens = default_max_tokens
         self.api_key = api_key  # the bearer secret the engine requires (None: open, loopback only)
         self.cache_dir = cache_dir
         self.host = host
@@ -81,7 +89,13 @@ class EmbeddedBackend:
             return
         path = await asyncio.to_thread(lambda: self.model_path)
         self.engine = await asyncio.to_thread(
-            Engine, path, served_name=self.served_model, threads=self.threads, max_batch=self.max_batch
+            Engine,
+            path,
+            served_name=self.served_model,
+            threads=self.threads,
+            max_batch=self.max_batch,
+            prefix_cache_bytes=self.prefix_cache_bytes,
+            default_max_tokens=self.default_max_tokens,
         )
         self.engine.start()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -123,6 +137,18 @@ class EmbeddedBackend:
             engine, self.engine = self.engine, None
             await asyncio.to_thread(engine.close)
 
+    async def shared_base(self) -> Any:
+        """The base model as a twin sharing the engine's weight tensors (one copy in memory): what a
+        trainer in this process should put its LoRA on instead of loading the weights again."""
+        if self.engine is None:
+            raise BackendUnavailable("the embedded engine is not started")
+        return await asyncio.wrap_future(self.engine.shared_base())
+
+    def metrics_collector(self) -> EngineCollector:
+        """A Prometheus collector of this backend's engine figures, read at scrape time (register it
+        in the proxy's registry; it reports nothing while the engine is not started)."""
+        return EngineCollector(lambda: self.engine)
+
     async def health(self) -> bool:
         try:
             async with httpx.AsyncClient(timeout=2.0) as client:
@@ -150,6 +176,8 @@ def run_engine(
     cache_dir: str | Path | None = None,
     max_batch: int = 16,
     api_key: str | None = None,
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> None:
     """Serve the embedded engine alone until interrupted (`rlproxy engine`); `api_key` as above.
 
@@ -157,7 +185,14 @@ def run_engine(
     proxy's own, limits included: this package does not import the proxy).
     """
     path = resolve_model(model, cache_dir=cache_dir)
-    engine = Engine(path, served_name=served_name(model), threads=threads, max_batch=max_batch)
+    engine = Engine(
+        path,
+        served_name=served_name(model),
+        threads=threads,
+        max_batch=max_batch,
+        prefix_cache_bytes=prefix_cache_bytes,
+        default_max_tokens=default_max_tokens,
+    )
     engine.start()
     try:
         config = server_config(create_engine_app(engine, api_key=api_key))

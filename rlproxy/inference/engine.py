@@ -9,7 +9,18 @@ together, left-padded, then splices their KV cache into the running batch) and d
 finished, so a request never waits for a whole wave to end. Each row carries its own position ids,
 sampling parameters, `torch.Generator` and LoRA slot, so its tokens do not depend on its neighbours.
 
+Prefill does as little as it can (issue 21): identical prompts of one admission (`n` > 1, a group's
+first calls) are prefilled once and their KV copied to each row; a prompt that starts with tokens
+already seen under the same adapter reuses their KV from the prefix cache (`prefix_cache.py`) and
+prefills only the rest; only the last position's logits are computed (`logits_to_keep=1`).
+
+Cancellation (issue 22): `cancel` goes through the inbox behind the request it names, so it can
+never be lost; the worker drops the rows between two decode steps and frees their slots at once.
+
     submit(req) ──queue──> worker: admit → prefill → [decode step → sample → emit]* → release
+
+(Over 400 lines: the worker loop and the batch state it alone owns read best in one place; the
+tensor surgery on the batch's KV is in `kvbatch.py`, the prefix cache in `prefix_cache.py`.)
 """
 
 from __future__ import annotations
@@ -24,12 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from rlproxy.errors import AdapterError, ModelError
+from rlproxy.inference import kvbatch
 from rlproxy.inference.adapters import BASE_SLOT, AdapterSlots
+from rlproxy.inference.prefix_cache import PrefixCache
 from rlproxy.inference.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprob
+from rlproxy.inference.shared_base import twin_model
 from rlproxy.inference.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -85,11 +98,15 @@ class Engine:
         served_name: str | None = None,
         threads: int | None = None,
         max_batch: int = 16,
+        prefix_cache_bytes: int = 0,
+        default_max_tokens: int | None = None,
     ) -> None:
         self.model_path = model_path
         self.served_name = served_name or model_path
         self.threads = threads
         self.max_batch = max_batch  # rows decoded together; more requests wait in the queue
+        self.default_max_tokens = default_max_tokens  # cap of a request without max_tokens (None: context)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -110,14 +127,22 @@ class Engine:
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
         self._inbox: queue.Queue[Any] = queue.Queue()
-        self._cancelled: set[str] = set()
+        self._cancelled: set[str] = set()  # worker thread only (cancels arrive through the inbox)
         self._thread: threading.Thread | None = None
         self._stopping = False
         # batch state, worker thread only
         self._rows: list[_Row] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # (B, T) 1 = real token, 0 = left padding
-        self.stats = {"steps": 0, "max_rows": 0, "requests": 0, "tokens": 0}
+        self.stats = {
+            "steps": 0,
+            "max_rows": 0,
+            "requests": 0,
+            "tokens": 0,  # tokens sampled (decoded), all rows
+            "prefill_tokens": 0,  # prompt positions run through the model
+            "prompt_tokens": 0,  # prompt positions of admitted rows (what a naive prefill runs)
+            "cancelled": 0,  # rows dropped by cancel()
+        }
 
     # ---- public, any thread ---------------------------------------------------------------
 
@@ -140,9 +165,9 @@ class Engine:
         self._inbox.put(req)
 
     def cancel(self, request_id: str) -> None:
-        """Stop decoding a request (client went away); its rows end with finish_reason "abort"."""
-        self._cancelled.add(request_id)
-        self._inbox.put(("wake",))
+        """Stop decoding a request (client went away); its rows end with finish_reason "abort" and their
+        slots are free before the next decode step."""
+        self._inbox.put(("cancel", request_id))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the worker thread between two decode steps (adapter loads, inspection)."""
@@ -150,13 +175,33 @@ class Engine:
         self._inbox.put(("call", fn, fut))
         return fut
 
+    def shared_base(self) -> concurrent.futures.Future:
+        """A twin of the base model made of the engine's own weight tensors (`shared_base.py`), for a
+        trainer in this process to put its own LoRA on; built on the worker thread."""
+        return self.call(lambda: twin_model(self.adapters.base))
+
     def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> concurrent.futures.Future:
-        """Load a LoRA adapter on the worker thread; the future raises AdapterError(status=...)."""
-        return self.call(lambda: self.adapters.load(name, path, load_inplace))
+        """Load a LoRA adapter on the worker thread; the future raises AdapterError(status=...).
+        A reload in place drops the prefix-cache entries of the weights it replaces."""
+
+        def load() -> None:
+            try:
+                self.adapters.load(name, path, load_inplace)
+            finally:
+                self.prefix_cache.retain(self.adapters.live_slots())
+
+        return self.call(load)
 
     def unload_adapter(self, name: str) -> concurrent.futures.Future:
         """Unload a LoRA adapter on the worker thread; the future raises AdapterError(404) if unknown."""
-        return self.call(lambda: self.adapters.unload(name))
+
+        def unload() -> None:
+            try:
+                self.adapters.unload(name)
+            finally:
+                self.prefix_cache.retain(self.adapters.live_slots())
+
+        return self.call(unload)
 
     # ---- worker thread ----------------------------------------------------------------------
 
@@ -192,6 +237,8 @@ class Engine:
                 self._stopping = True
             elif isinstance(item, GenRequest):
                 waiting.append(item)
+            elif item[0] == "cancel":
+                self._cancelled.add(item[1])
             elif item[0] == "call":
                 _, fn, fut = item
                 try:
@@ -209,8 +256,10 @@ class Engine:
         keep = []
         for b, row in enumerate(self._rows):
             if row.req.request_id in self._cancelled:
+                self._remember(b, row)  # an SDK's retry sends the same prompt again
                 row.req.sink(RowDelta(row.index, [], "", [], "abort"))
                 self.adapters.release(row.slot)
+                self.stats["cancelled"] += 1
             else:
                 keep.append(b)
         if len(keep) != len(self._rows):
@@ -236,7 +285,7 @@ class Engine:
                 continue
             self.stats["requests"] += 1
             budget = self.max_model_len - len(req.prompt_ids)
-            max_tokens = min(req.params.max_tokens or budget, budget)
+            max_tokens = min(req.params.max_tokens or self.default_max_tokens or budget, budget)
             for i in range(req.n):
                 if i > 0 and slot != BASE_SLOT:
                     self.adapters.acquire(req.adapter)
@@ -244,24 +293,44 @@ class Engine:
                 new_rows.append(_Row(req, i, make_generator(req.params.seed, i), slot, stream, max_tokens))
         if not new_rows:
             return
-        length = max(len(r.req.prompt_ids) for r in new_rows)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        ids = torch.tensor([[pad] * (length - len(r.req.prompt_ids)) + r.req.prompt_ids for r in new_rows])
-        mask = torch.tensor(
-            [[0] * (length - len(r.req.prompt_ids)) + [1] * len(r.req.prompt_ids) for r in new_rows]
-        )
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T) per-row positions under left padding
-        cache = DynamicCache()
+        # identical (adapter, prompt) pairs are prefilled once: `unique[u]` feeds rows `source == u`
+        unique: dict[tuple[str, tuple[int, ...]], int] = {}
+        source = [unique.setdefault((r.slot, tuple(r.req.prompt_ids)), len(unique)) for r in new_rows]
+        firsts = [new_rows[source.index(u)] for u in range(len(unique))]
         try:
-            logits = self._forward(ids, mask, positions, cache, [r.slot for r in new_rows])  # (B, V)
+            cache, mask, logits = self._prefill(firsts)  # (U, ...), logits (U, V)
         except Exception:  # only these rows fail; the running batch goes on
             log.exception("prefill of %d rows failed", len(new_rows))
             for row in new_rows:
                 row.req.sink(RowDelta(row.index, [], "", [], "error"))
                 self.adapters.release(row.slot)
             return
+        self.stats["prompt_tokens"] += sum(len(r.req.prompt_ids) for r in new_rows)
+        if self.prefix_cache.enabled:
+            for u, row in enumerate(firsts):
+                self.prefix_cache.put(row.slot, row.req.prompt_ids, *kvbatch.row_kv(cache, mask, u))
+        if len(firsts) != len(new_rows):
+            index = torch.tensor(source)
+            cache, mask = kvbatch.expand(cache, mask, index)
+            logits = logits.index_select(0, index)
         self._splice(new_rows, cache, mask)
         self._emit(new_rows, logits)
+
+    def _prefill(self, rows: list[_Row]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """Run `rows`' prompts through the model after their cached prefixes: (cache, mask, logits)."""
+        found = [self.prefix_cache.lookup(r.slot, r.req.prompt_ids) for r in rows]
+        cache, past_mask = kvbatch.past_cache(found)  # (U, H, K, D), (U, K)
+        suffixes = [r.req.prompt_ids[c:] for r, (_, c) in zip(rows, found, strict=True)]
+        length = max(len(s) for s in suffixes)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.tensor([[pad] * (length - len(s)) + s for s in suffixes])  # (U, M)
+        new_mask = torch.tensor([[0] * (length - len(s)) + [1] * len(s) for s in suffixes])
+        mask = torch.cat([past_mask, new_mask], dim=1)  # (U, K + M)
+        # per-row positions counted over real tokens only, whatever padding sits where
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_mask.shape[1] :]  # (U, M)
+        self.stats["prefill_tokens"] += sum(len(s) for s in suffixes)
+        logits = self._forward(ids, mask, positions, cache, [r.slot for r in rows])  # (U, V)
+        return cache, mask, logits
 
     @torch.inference_mode()
     def _step(self) -> None:
@@ -285,7 +354,12 @@ class Engine:
         if self.adapters.active:
             kwargs["adapter_names"] = slots  # peft's mixed batch: each row through its own LoRA
         out = self.adapters.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,  # the LM head on the last position only: never (B, T, V) at prefill
+            **kwargs,
         )
         self.stats["steps"] += 1
         self.stats["max_rows"] = max(self.stats["max_rows"], ids.shape[0])
@@ -296,6 +370,7 @@ class Engine:
         logprobs = torch.log_softmax(logits, dim=-1)  # (B, V) raw distribution, before temperature
         keep: list[int] = []
         all_rows = self._rows
+        offset = 0 if rows is all_rows else len(self._rows) - len(rows)  # new rows sit at the end
         for b, row in enumerate(rows):
             p = row.req.params
             tok = sample(logits[b], p, row.generator)
@@ -316,27 +391,28 @@ class Engine:
             if finish is None:
                 keep.append(b)
             else:
+                self._remember(offset + b, row)
                 self.adapters.release(row.slot)
-        if rows is all_rows and len(keep) != len(rows):
-            self._select(keep)
-        elif rows is not all_rows and len(keep) != len(rows):
-            # rows finished right at prefill: they sit at the end of the spliced batch
-            offset = len(self._rows) - len(rows)
+        if len(keep) != len(rows):
             self._select(list(range(offset)) + [offset + k for k in keep])
+
+    def _remember(self, b: int, row: _Row) -> None:
+        """Keep a finishing row's KV (prompt + sampled ids but the last, never fed) for its next call."""
+        if not self.prefix_cache.enabled or self._cache is None or self._mask is None:
+            return
+        if row.slot not in self.adapters.live_slots():  # its adapter was reloaded meanwhile
+            return
+        tokens = row.req.prompt_ids + row.out_ids[:-1]
+        keys, values = kvbatch.row_kv(self._cache, self._mask, b)
+        if keys and keys[0].shape[1] == len(tokens):
+            self.prefix_cache.put(row.slot, tokens, keys, values)
 
     def _splice(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
         """Append prefilled rows to the running batch, left-padding whichever side is shorter."""
         if not self._rows or self._cache is None or self._mask is None:
             self._rows, self._cache, self._mask = list(rows), cache, mask
             return
-        old_t, new_t = self._mask.shape[1], mask.shape[1]
-        t = max(old_t, new_t)
-        for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
-            for attr in ("keys", "values"):
-                a = F.pad(getattr(old_layer, attr), (0, 0, t - old_t, 0))  # (B, H, T, D)
-                b = F.pad(getattr(new_layer, attr), (0, 0, t - new_t, 0))
-                setattr(old_layer, attr, torch.cat([a, b], dim=0))
-        self._mask = torch.cat([F.pad(self._mask, (t - old_t, 0)), F.pad(mask, (t - new_t, 0))], dim=0)
+        self._mask = kvbatch.splice(self._cache, self._mask, cache, mask)
         self._rows.extend(rows)
 
     def _select(self, keep: list[int]) -> None:
@@ -345,13 +421,7 @@ class Engine:
             self._rows, self._cache, self._mask = [], None, None
             return
         assert self._cache is not None and self._mask is not None
-        index = torch.tensor(keep)
-        mask = self._mask.index_select(0, index)
-        start = int((mask.cumsum(-1) == 0).sum(-1).min())  # leading all-padding columns
-        self._mask = mask[:, start:]
-        for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
-            layer.values = layer.values.index_select(0, index)[:, :, start:]
+        self._mask = kvbatch.select(self._cache, self._mask, keep)
         self._rows = [self._rows[k] for k in keep]
 
     def _fail_all(self, reason: str) -> None:

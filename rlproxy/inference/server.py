@@ -24,6 +24,11 @@ from one, and an unknown or evicted id is a 404 like vLLM's.
 
 The routes never run model code: they hand work to the engine's worker thread (`Generation`,
 `Engine.call`) and await it, so the event loop stays free.
+
+A client that goes away (or a proxy that gives up and closes its connection) cancels its request:
+`CancelOnDisconnect` runs each request as a task and cancels it on `http.disconnect`, which ends
+the route's `async with Generation` and drops its rows from the engine before the next decode step
+(issue 22). This covers every route, streaming or not: nothing decodes for a client that left.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlproxy.errors import AdapterError, APIError
 from rlproxy.inference.engine import Engine
@@ -76,6 +81,7 @@ def create_engine_app(
     """The OpenAI app for one engine (`api_key`, `responses_kept`: see the module doc); the caller
     starts and closes it."""
     app = FastAPI(title="rlproxy embedded engine", redirect_slashes=False)
+    app.add_middleware(CancelOnDisconnect)
     if api_key:
         app.add_middleware(BearerCheck, api_key=api_key)
     app.state.engine = engine
@@ -104,6 +110,60 @@ class BearerCheck:
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
+
+
+class CancelOnDisconnect:
+    """Pure ASGI: run the request as a task and cancel it when the client disconnects.
+
+    The app reads its body through `receive` as usual; once the body is in, a watcher owns
+    `receive` and waits for `http.disconnect` (the app's own later calls just wait for it too).
+    A disconnect after the response's last byte cancels nothing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body_in, gone = asyncio.Event(), asyncio.Event()
+        sent = {"done": False}
+
+        async def app_receive() -> Message:
+            if body_in.is_set():
+                await gone.wait()
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            elif not message.get("more_body", False):
+                body_in.set()
+            return message
+
+        async def app_send(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["done"] = True
+            await send(message)
+
+        task = asyncio.ensure_future(self.app(scope, app_receive, app_send))
+
+        async def watch() -> None:
+            await body_in.wait()
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            if not sent["done"] and not task.done():
+                log.info("client of %s went away; cancelling its generation", scope.get("path"))
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not gone.is_set():  # we were cancelled ourselves (shutdown): pass it on
+                raise
+        finally:
+            watcher.cancel()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ Launch flags depend on the device (`device="auto"` looks for an NVIDIA GPU):
 
     both   --enable-lora --max-lora-rank R --max-loras N --served-model-name NAME
            --enable-auto-tool-choice --tool-call-parser hermes (else vLLM refuses `tools` with 400)
+           --enable-prefix-caching (an agent's next call reuses the KV of its last one; vLLM keys
+           cached blocks by LoRA too, so an adapter's prefix never serves another)
+           --override-generation-config '{"max_new_tokens": N}' only when `default_max_tokens`
+           is set (the cap of a request without max_tokens; unset, vLLM's own: the rest of the context)
     cpu    --dtype float32 --enforce-eager --max-model-len 512 --max-num-seqs 1
            --max-num-seqs 1 is for correctness, not speed: vLLM 0.32's CPU LoRA kernels add adapter
            weights to base-model rows batched with adapter rows (see shared/VLLM_CPU.md).
@@ -39,6 +43,7 @@ first replica (what single-server callers read); `base_urls` all of them.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shlex
@@ -76,6 +81,7 @@ class VLLMBackend:
         log_path: str | None = None,
         device: str = "auto",
         api_key: str | None = None,
+        default_max_tokens: int | None = None,
     ) -> None:
         if device not in ("auto", "cpu", "gpu"):
             raise ValueError(f"device must be auto, cpu or gpu, not {device!r}")
@@ -98,6 +104,7 @@ class VLLMBackend:
         self.log_path = Path(log_path) if log_path else None
         self.device = device
         self.api_key = api_key
+        self.default_max_tokens = default_max_tokens
         self._model_path: str | None = None
         self._served_model: str | None = None
         self._base_url: str | None = self.upstream
@@ -335,6 +342,12 @@ class VLLMBackend:
             str(self.max_lora_rank),
             "--max-loras",
             str(self.max_loras),
+            "--enable-prefix-caching",
+            *(
+                ["--override-generation-config", json.dumps({"max_new_tokens": self.default_max_tokens})]
+                if self.default_max_tokens
+                else []
+            ),
             *(CPU_DEFAULT_ARGS if self._device() == "cpu" else GPU_DEFAULT_ARGS),
         ]
         return [
