@@ -148,6 +148,21 @@ async def init_adapter(settings: Settings, backend: Backend, default_policy: str
     )
 
 
+def canary_router(settings: Settings, policies: Policies, metrics: Metrics) -> Any:
+    """The canary router's lifespan service (proxy/rollout.py), hooked into `policies` and `/metrics`;
+    None when every policy is in immediate mode (routing exactly as without rollouts)."""
+    from rlproxy.proxy.rollout import RolloutService, Router
+    from rlproxy.storage.rollout_rule import parse_modes
+
+    modes = parse_modes(settings.rollout)
+    if "canary" not in modes.values():
+        return None
+    router = Router(modes)
+    policies.router = router
+    metrics.registry.register(router)
+    return RolloutService(router, None, settings.policy_poll_interval)
+
+
 class InitAdapter:
     """A service started before the trainer: `init_adapter`, then the started policies served at step 1."""
 
@@ -181,6 +196,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
         services.append(InitAdapter(settings, backend, policies))
     if settings.train:
         from rlproxy.storage.db import normalize_url
+        from rlproxy.trainer.rollout import controller_from
         from rlproxy.trainer.service import TrainerService
 
         services.append(
@@ -191,8 +207,12 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
                 on_publish=policies.set_step,  # the swap: new requests go to the published adapter
                 on_train_state=gate.set_training,  # hold new requests while a step trains (if set)
                 judge=make_judge(settings, backend, metrics),  # judge rewards, before each selection
+                rollouts=controller_from(settings),  # canary rollouts (trainer/rollout.py); None: immediate
             )
         )
+    rollout = canary_router(settings, policies, metrics)  # proxy/rollout.py; None: every policy immediate
+    if rollout is not None:
+        services.insert(0, rollout)
     state = ProxyState(
         settings=settings,
         backend=backend,
@@ -201,6 +221,8 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
         metrics=metrics,
         services=tuple(services),
     )
+    if rollout is not None:
+        rollout.state = state
 
     api = create_app(state)
     # The hot routes are not here: `HotPath` (below) serves them before FastAPI sees the request,
