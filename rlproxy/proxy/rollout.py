@@ -9,7 +9,8 @@ step. For a canary policy with an open rollout (candidate C, incumbent I, fracti
   run id and the rollout row, so every proxy replica serves the same split without talking;
 - a request without a run id (untagged: never trained, never counted) gets I.
 
-Outside a canary the policy serves its `stable` step: the newest step that was not rolled back. A
+Outside a canary the policy serves its `stable` step: the newest step that was not rolled back (a
+run that was on the incumbent when its candidate was promoted finishes on the incumbent). A
 rolled-back step is never served by its policy name (a `policy@step` pin still names it; its adapter
 is unloaded and its checkpoint deleted by the trainer). A canary policy's step newer than the last
 snapshot waits for the next one (<= `policy_poll_interval`): the trainer opens a rollout row before it
@@ -74,6 +75,9 @@ class Router:
             served = min(p.stable, step)
         else:
             served = step
+            prev = self._seen.get(run_id) if run_id is not None else None
+            if prev is not None and prev == p.previous and prev != served:
+                served = prev  # a run on the incumbent when the candidate was promoted finishes there
         if run_id is not None:
             self._remember(run_id, served)
         return served

@@ -48,6 +48,7 @@ class PolicyRollouts:
     open: OpenRollout | None = None
     rejected: frozenset[int] = field(default_factory=frozenset)  # rolled-back steps, never served
     stable: int = 0  # the step every run gets outside a canary: newest not rejected, not on trial
+    previous: int | None = None  # incumbent of the rollout that promoted `stable`: its runs finish on it
 
 
 @asynccontextmanager
@@ -151,13 +152,16 @@ async def snapshot(engine: AsyncEngine) -> dict[str, PolicyRollouts]:
         o = opened[-1] if opened else None
         trial = {int(r.candidate_step) for r in opened}
         good = [s for s in ss if s not in rejected and s not in trial]
+        stable = max(good) if good else 0
+        won = [r for r in mine if r.status == RolloutStatus.promoted and int(r.candidate_step) == stable]
         out[policy] = PolicyRollouts(
             max_step=max(ss),
             open=OpenRollout(int(o.id), int(o.candidate_step), int(o.incumbent_step), float(o.fraction))
             if o is not None
             else None,
             rejected=rejected,
-            stable=max(good) if good else 0,
+            stable=stable,
+            previous=int(won[-1].incumbent_step) if won else None,
         )
     return out
 

@@ -84,3 +84,16 @@ def test_metrics_collect() -> None:
     assert names["rlproxy_rollout_fraction"].samples[0].value == 0.2
     rewards = {s.labels["arm"]: s.value for s in names["rlproxy_rollout_arm_reward"].samples}
     assert rewards == {"candidate": 0.5, "incumbent": 0.25}
+
+
+def test_runs_in_flight_at_a_promotion_finish_on_their_step_but_never_on_a_rolled_back_one() -> None:
+    r = _router()
+    ids = [f"f{i}" for i in range(200)]
+    first = {rid: r.route("p", 3, rid) for rid in ids}
+    r.snap = {"p": PolicyRollouts(max_step=3, stable=3, previous=2)}  # 3 promoted over 2
+    assert all(r.route("p", 3, rid) == first[rid] for rid in ids)
+    assert r.route("p", 3, "new-run") == 3
+    r = _router()
+    first = {rid: r.route("p", 3, rid) for rid in ids}
+    r.snap = {"p": PolicyRollouts(max_step=3, rejected=frozenset({3}), stable=2)}  # 3 rolled back
+    assert {r.route("p", 3, rid) for rid in ids} == {2}
