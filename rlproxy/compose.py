@@ -192,12 +192,16 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
     metrics = Metrics()
 
     services: list[Any] = []
+    rollout = canary_router(settings, policies, metrics)  # proxy/rollout.py; None: every policy immediate
+    controller = None
     if settings.init_adapter:  # before the trainer: its first step continues the initial adapter
         services.append(InitAdapter(settings, backend, policies))
     if settings.train:
         from rlproxy.storage.db import normalize_url
         from rlproxy.trainer.rollout import controller_from
         from rlproxy.trainer.service import TrainerService
+
+        controller = controller_from(settings)
 
         services.append(
             TrainerService(
@@ -207,12 +211,13 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
                 on_publish=policies.set_step,  # the swap: new requests go to the published adapter
                 on_train_state=gate.set_training,  # hold new requests while a step trains (if set)
                 judge=make_judge(settings, backend, metrics),  # judge rewards, before each selection
-                rollouts=controller_from(settings),  # canary rollouts (trainer/rollout.py); None: immediate
+                rollouts=controller,  # canary rollouts (trainer/rollout.py); None: immediate
             )
         )
-    rollout = canary_router(settings, policies, metrics)  # proxy/rollout.py; None: every policy immediate
     if rollout is not None:
         services.insert(0, rollout)
+        if controller is not None:  # this replica routes by a decision as soon as it is written
+            controller.on_decision = rollout.refresh
     state = ProxyState(
         settings=settings,
         backend=backend,

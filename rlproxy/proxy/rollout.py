@@ -38,6 +38,7 @@ from rlproxy.storage.rollout_rule import mode_of
 
 logger = logging.getLogger(__name__)
 
+NO_STEPS = store.PolicyRollouts(max_step=0)  # a policy without steps: the base model serves
 SEEN_MAX = 200_000  # run ids remembered (~100 bytes each): runs older than that many newer ones are forgotten
 
 
@@ -64,10 +65,10 @@ class Router:
     def route(self, policy: str, step: int, run_id: str | None) -> int:
         """The step that serves this request of `policy`, whose newest loaded step is `step`."""
         p = self.snap.get(policy)
-        if p is None:
-            return step
         if not self.canary(policy):
-            return p.stable if step in p.rejected else step
+            return p.stable if p is not None and step in p.rejected else step
+        if p is None:  # no step in the last snapshot: a step published since waits for the next one
+            p = NO_STEPS
         o = p.open
         if o is not None and step >= o.candidate:
             served = self._arm(policy, o, run_id)
@@ -190,6 +191,10 @@ class RolloutService:
         await self.router.refresh(engine)
         await self.router.load_arms(engine, self.state.backend)
         self._task = asyncio.create_task(self.router.poll(engine, self.interval), name="rlproxy-rollout-poll")
+
+    async def refresh(self) -> None:
+        """Read the rollouts now (the in-process trainer calls this after each decision)."""
+        await self.router.refresh(self.state.engine)
 
     async def stop(self) -> None:
         if self._task is not None:

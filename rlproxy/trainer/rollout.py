@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,9 @@ class RolloutController:
         self.rule = rule
         self._last: dict[int, tuple[Any, ...]] = {}  # rollout id -> numbers last written (skip no-ops)
         self.decisions: list[tuple[str, int, str]] = []  # (policy, step, decision) taken here, newest last
+        # called after this process decided a rollout (compose.py: the in-process router re-reads at once;
+        # other replicas see it within policy_poll_interval)
+        self.on_decision: Callable[[], Awaitable[None]] | None = None
 
     def canary(self, policy: str) -> bool:
         """Whether `policy` rolls out its new steps by canary."""
@@ -96,6 +100,8 @@ class RolloutController:
                         verdict.decision,
                         verdict.reason,
                     )
+                    if self.on_decision is not None:
+                        await self.on_decision()
             if verdict.decision == "continue":
                 still_open.add(row["policy"])
         await self.clean(service)

@@ -97,3 +97,10 @@ def test_runs_in_flight_at_a_promotion_finish_on_their_step_but_never_on_a_rolle
     first = {rid: r.route("p", 3, rid) for rid in ids}
     r.snap = {"p": PolicyRollouts(max_step=3, rejected=frozenset({3}), stable=2)}  # 3 rolled back
     assert {r.route("p", 3, rid) for rid in ids} == {2}
+
+
+def test_the_first_step_of_a_policy_waits_for_its_rollout_too() -> None:
+    r = Router({"*": "canary"})  # the snapshot knows no step of p yet
+    assert {r.route("p", 1, f"n{i}") for i in range(100)} == {0}
+    r.snap = {"p": PolicyRollouts(max_step=1, open=OpenRollout(1, 1, 0, 0.3), stable=0)}
+    assert {r.route("p", 1, f"n{i}") for i in range(100)} == {0}  # they began on the base model
