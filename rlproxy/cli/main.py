@@ -555,3 +555,6 @@ def models_make_tiny(
     from rlproxy.inference.models import make_tiny
 
     typer.echo(str(make_tiny(out_dir)))
+
+
+from rlproxy.cli import rollout as _rollout  # noqa: E402, F401  (registers `rlproxy rollout`; issue 28)
