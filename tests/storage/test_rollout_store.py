@@ -119,3 +119,26 @@ async def test_a_continue_look_is_recorded_once_and_the_rule_reads_the_view(engi
     assert row["candidate_reward"] == 0.5 and row["statistic"] == "welch_t"
     series = await store.arm_series(engine, rid)
     assert len(series) == 8 and {s["arm"] for s in series} == {"candidate", "incumbent"}
+
+
+async def test_two_replicas_on_one_store_serve_the_same_split(migrated_url: str) -> None:
+    from rlproxy.proxy.rollout import Router
+
+    engines = [create_engine(migrated_url) for _ in range(2)]
+    replicas = [Router({"*": "canary"}) for _ in engines]
+    try:
+        await _steps(engines[0], "p", [1, 2])
+        rid, _ = await store.begin(engines[0], "p", 2, 0.3)
+        for r, e in zip(replicas, engines, strict=True):
+            await r.refresh(e)
+        ids = [f"run-{i}" for i in range(400)]
+        a = [replicas[0].route("p", 2, i) for i in ids]
+        b = [replicas[1].route("p", 2, i) for i in reversed(ids)][::-1]
+        assert a == b and abs(a.count(2) / len(a) - 0.3) <= 0.05
+        # one replica's trainer rolls it back; the other replica, once it re-reads, never serves it
+        await store.decide(engines[0], rid, "rollback", "test")
+        await replicas[1].refresh(engines[1])
+        assert {replicas[1].route("p", 2, i) for i in ids} == {1}
+    finally:
+        for e in engines:
+            await e.dispose()
