@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlproxy.inference.backend import Backend
-from rlproxy.proxy import dashboard, routes_openai, routes_runs
+from rlproxy.proxy import dashboard, routes_openai, routes_rollouts, routes_runs
 from rlproxy.proxy.app import ProxyState, create_app
 from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
@@ -40,7 +40,7 @@ from rlproxy.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS: tuple[str, ...] = ("/healthz", *dashboard.PUBLIC_PATHS)  # served without a key
+PUBLIC_PATHS: tuple[str, ...] = ("/healthz", *dashboard.PUBLIC_PATHS, *routes_rollouts.PUBLIC_PATHS)
 
 
 def make_backend(settings: Settings) -> Backend:
@@ -235,6 +235,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
     #   (routes_openai.complete: forward + capture).
     api.include_router(routes_runs.router)  # rewards, runs, training steps, /healthz, /metrics
     api.include_router(dashboard.router)  # GET / and its scripts
+    api.include_router(routes_rollouts.router)  # GET /rollouts (canary panel) and its data (issue 28)
     api.include_router(routes_openai.passthrough)  # any other /v1/* path, relayed untouched
 
     principals = Principals(settings.api_key, settings.admin_key, public=PUBLIC_PATHS)
