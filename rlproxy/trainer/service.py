@@ -483,14 +483,14 @@ class TrainerService:
         # the best adapter by validation reward stays too (keep_best; storage/validation.py)
         best = await best_step(self._db(), policy, min_runs=self.config.val_min_runs)
         protect = (best,) if best is not None and self.config.keep_best else ()
-        if self.rollouts is not None:  # a canary's incumbent stays on disk and loaded
-            protect = (*protect, *await self.rollouts.protect(self._db(), policy))
+        serving = await self.rollouts.protect(self._db(), policy) if self.rollouts is not None else ()
+        protect = (*protect, *serving)  # a canary's incumbent stays on disk and loaded (trainer/rollout.py)
         pruned = await asyncio.to_thread(
             ckpt.prune, self.config.checkpoint_dir, policy, self.config.keep_checkpoints, protect
         )
         await forget_adapter_paths(self._db(), policy, pruned)
         old = step - self.config.keep_checkpoints
-        if old >= 1 and old not in protect:
+        if old >= 1 and old not in serving:
             task = asyncio.create_task(self._unload(adapter_name(policy, old), self.config.unload_grace))
             self._unloads.add(task)
             task.add_done_callback(self._unloads.discard)
