@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rlproxy.inference.backend import Backend
-from rlproxy.proxy import dashboard, routes_openai, routes_runs
+from rlproxy.proxy import dashboard, routes_openai, routes_rollouts, routes_runs
 from rlproxy.proxy.app import ProxyState, create_app
 from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
@@ -42,7 +42,7 @@ from rlproxy.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS: tuple[str, ...] = ("/healthz", *dashboard.PUBLIC_PATHS)  # served without a key
+PUBLIC_PATHS: tuple[str, ...] = ("/healthz", *dashboard.PUBLIC_PATHS, *routes_rollouts.PUBLIC_PATHS)
 
 
 def make_backend(settings: Settings) -> Backend:
@@ -153,6 +153,21 @@ async def init_adapter(settings: Settings, backend: Backend, default_policy: str
     )
 
 
+def canary_router(settings: Settings, policies: Policies, metrics: Metrics) -> Any:
+    """The canary router's lifespan service (proxy/rollout.py), hooked into `policies` and `/metrics`;
+    None when every policy is in immediate mode (routing exactly as without rollouts)."""
+    from rlproxy.proxy.rollout import RolloutService, Router
+    from rlproxy.storage.rollout_rule import parse_modes
+
+    modes = parse_modes(settings.rollout)
+    if "canary" not in modes.values():
+        return None
+    router = Router(modes)
+    policies.router = router
+    metrics.registry.register(router)
+    return RolloutService(router, None, settings.policy_poll_interval)
+
+
 class InitAdapter:
     """A service started before the trainer: `init_adapter`, then the started policies served at step 1."""
 
@@ -184,11 +199,16 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
         metrics.registry.register(backend.metrics_collector())
 
     services: list[Any] = []
+    rollout = canary_router(settings, policies, metrics)  # proxy/rollout.py; None: every policy immediate
+    controller = None
     if settings.init_adapter:  # before the trainer: its first step continues the initial adapter
         services.append(InitAdapter(settings, backend, policies))
     if settings.train:
         from rlproxy.storage.db import normalize_url
+        from rlproxy.trainer.rollout import controller_from
         from rlproxy.trainer.service import TrainerService
+
+        controller = controller_from(settings)
 
         services.append(
             TrainerService(
@@ -198,8 +218,13 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
                 on_publish=policies.set_step,  # the swap: new requests go to the published adapter
                 on_train_state=gate.set_training,  # hold new requests while a step trains (if set)
                 judge=make_judge(settings, backend, metrics),  # judge rewards, before each selection
+                rollouts=controller,  # canary rollouts (trainer/rollout.py); None: immediate
             )
         )
+    if rollout is not None:
+        services.insert(0, rollout)
+        if controller is not None:  # this replica routes by a decision as soon as it is written
+            controller.on_decision = rollout.refresh
     state = ProxyState(
         settings=settings,
         backend=backend,
@@ -208,6 +233,8 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
         metrics=metrics,
         services=tuple(services),
     )
+    if rollout is not None:
+        rollout.state = state
 
     api = create_app(state)
     # The hot routes are not here: `HotPath` (below) serves them before FastAPI sees the request,
@@ -215,6 +242,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     #   (routes_openai.complete: forward + capture).
     api.include_router(routes_runs.router)  # rewards, runs, training steps, /healthz, /metrics
     api.include_router(dashboard.router)  # GET / and its scripts
+    api.include_router(routes_rollouts.router)  # GET /rollouts (canary panel) and its data (issue 28)
     api.include_router(routes_openai.passthrough)  # any other /v1/* path, relayed untouched
 
     principals = Principals(settings.api_key, settings.admin_key, public=PUBLIC_PATHS)

@@ -254,6 +254,43 @@ class Settings(BaseSettings, TrainerConfig):
         "value as `--override-generation-config`",
     )
 
+    # --- rollout (issue 28; docs/rollout.md) ---
+    rollout: str = Field(
+        "immediate",
+        description="how a new step goes live: immediate (every run at once) or canary (a share of new "
+        "runs until a test on their reward promotes or rolls it back); per policy: agent=canary,*=immediate",
+    )
+    canary_fraction: float = Field(
+        0.2, gt=0, lt=1, description="share of new runs (0-1, by run id) a candidate step serves in a canary"
+    )
+    canary_min_runs: int = Field(
+        30, ge=2, description="rewarded runs per arm before the first look; look k at k x this many"
+    )
+    canary_looks: int = Field(4, ge=1, le=20, description="looks at most; each spends canary_alpha / looks")
+    canary_alpha: float = Field(
+        0.05, gt=0, lt=0.5, description="false-promote (and false-rollback) bound over all looks, 0-1"
+    )
+    canary_min_pairs: int = Field(
+        10, ge=2, description="groups with runs on both arms for the paired test (fewer: Welch's test)"
+    )
+    canary_error_margin: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="error-rate excess (5xx or cut at length; absolute, 0-1) that rolls back on errors alone",
+    )
+    canary_inconclusive: Literal["rollback", "promote"] = Field(
+        "rollback", description="what the last look decides when neither test is significant"
+    )
+
+    @field_validator("rollout")
+    @classmethod
+    def _rollout_modes(cls, value: str) -> str:
+        from rlproxy.storage.rollout_rule import parse_modes
+
+        parse_modes(value)  # a ValueError names the bad entry
+        return value
+
     @field_validator("upstream", mode="before")
     @classmethod
     def _upstream_list(cls, value: object) -> object:

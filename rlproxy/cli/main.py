@@ -506,6 +506,10 @@ def demo(
         float | None, typer.Option(min=0, help="AdamW learning rate; default: serve's (by model size)")
     ] = None,
     seed: Annotated[int, typer.Option(help="seed of the trainer and of the agent's sampling")] = 0,
+    rollout: Annotated[
+        Literal["immediate", "canary"],
+        typer.Option(help="canary: each new step earns its traffic; stops at the first promotion"),
+    ] = "immediate",
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
     from rlproxy.demo.run import TASKS, run_demo
@@ -523,6 +527,7 @@ def demo(
         seed=seed,
         goal=TASKS[task].GOAL,
         echo=typer.echo,
+        rollout=rollout,
     )
     goal = TASKS[task].GOAL
     if not fast and (summary.get("improvement") or 0.0) < goal:
@@ -558,3 +563,6 @@ def models_make_tiny(
     from rlproxy.inference.models import make_tiny
 
     typer.echo(str(make_tiny(out_dir)))
+
+
+from rlproxy.cli import rollout as _rollout  # noqa: E402, F401  (registers `rlproxy rollout`; issue 28)

@@ -127,6 +127,7 @@ async def run_trainer(settings: Settings, ranks: Any = None) -> None:
 
     from rlproxy.inference.vllm import VLLMBackend
     from rlproxy.storage import db
+    from rlproxy.trainer.rollout import controller_from
     from rlproxy.trainer.service import TrainerService
 
     url = db.normalize_url(settings.db_url)
@@ -156,6 +157,7 @@ async def run_trainer(settings: Settings, ranks: Any = None) -> None:
             backend,
             judge=make_judge(settings, backend),
             train_fn=leader.train_step if leader is not None else None,
+            rollouts=controller_from(settings),  # canary rollouts are judged where the trainer runs
         )
         try:
             await service.start()

@@ -265,6 +265,7 @@ def run_demo(
     temperature: float | None = None,
     max_tokens: int | None = None,
     echo: Callable[[str], None] | None = None,
+    rollout: str = "immediate",
 ) -> dict[str, Any]:
     """Run the demo and return the summary (also written to `out_dir/summary.json`).
 
@@ -278,7 +279,9 @@ def run_demo(
     agent = TASKS[task]
     started = time.monotonic()
     if fast:
-        model, group_size, max_groups = "tiny", group_size or 4, max_groups or 3
+        # a canary needs runs on both arms before it decides (demo/canary.py): more groups
+        model, group_size = "tiny", group_size or 4
+        max_groups = max_groups or (40 if rollout == "canary" else 3)
     plan = Plan(
         task,
         minutes,
@@ -312,6 +315,10 @@ def run_demo(
         env["RLPROXY_ENGINE_THREADS"] = str(threads)
     if learning_rate is not None:
         env["RLPROXY_LEARNING_RATE"] = str(learning_rate)
+    if rollout == "canary":  # issue 28: new steps earn their traffic (demo/canary.py)
+        from rlproxy.demo.canary import CANARY_ENV
+
+        env |= CANARY_ENV
     flags = {"backend": backend, "model": model, "db_url": f"sqlite+aiosqlite:///{out / 'rlproxy.db'}"}
     flags |= {"host": "127.0.0.1", "port": 0, "train": True, "group_size": plan.group_size}
     changed = changed_settings(flags, env)
@@ -330,7 +337,12 @@ def run_demo(
 
     rows: list[dict[str, Any]] = []
     try:
-        stop_reason = _loop(base, plan, agent, rows, started, echo)
+        if rollout == "canary":
+            from rlproxy.demo.canary import canary_loop
+
+            stop_reason = canary_loop(base, plan, agent, rows, started, echo, out / "rlproxy.db")
+        else:
+            stop_reason = _loop(base, plan, agent, rows, started, echo)
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         echo("interrupted: stopping the server and writing what there is")

@@ -53,6 +53,7 @@ class Policies:
         self.steps: dict[str, int] = {}
         self._failed: dict[str, int] = {}  # policy -> step whose adapter failed to load (warned once)
         self._known = {base_model, *self.model_map.values()}
+        self.router = None  # proxy/rollout.py Router: canary policies split their runs (None: immediate)
 
     def set_base(self, base_model: str) -> None:
         """The backend's base model name, known once it started (it is also the default policy)."""
@@ -72,8 +73,9 @@ class Policies:
         """The model name the upstream serves for `policy` at `step`."""
         return adapter_name(policy, step) if step > 0 else self.base_model
 
-    def resolve(self, model: object) -> tuple[str, int, str]:
-        """(policy, step, upstream model) for a request's `model`; APIError 404 if it names nothing."""
+    def resolve(self, model: object, run_id: str | None = None) -> tuple[str, int, str]:
+        """(policy, step, upstream model) for a request's `model` (of run `run_id`: a canary routes by
+        it); APIError 404 if it names nothing."""
         if model is None:
             policy = self.default
         elif not isinstance(model, str):
@@ -101,6 +103,8 @@ class Policies:
                         code="model_not_found",
                     )
         step = self.steps.get(policy, 0)
+        if self.router is not None:
+            step = self.router.route(policy, step, run_id)
         return policy, step, self.upstream_model(policy, step)
 
     async def set_step(self, policy: str, step: int) -> None:

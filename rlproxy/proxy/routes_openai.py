@@ -119,7 +119,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         await px.gate.wait()
     if px.writer.full:  # the store is behind: wait at its pace (bounded, then 503 + Retry-After)
         await px.writer.room(px.settings.store_wait_timeout)
-    policy, step, upstream_model = px.policies.resolve(body.get("model"))
+    policy, step, upstream_model = px.policies.resolve(body.get("model"), run_id)
 
     upstream_body = dict(body)
     upstream_body["model"] = upstream_model

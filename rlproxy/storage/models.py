@@ -245,3 +245,58 @@ class PolicyOrigin(Base):
         Text, comment="LoRA folder it started from (--init-adapter)"
     )
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RolloutStatus(enum.StrEnum):
+    """Life of a canary rollout (migration 0013; storage/rollouts.py)."""
+
+    canary = "canary"  # the candidate serves canary_fraction of new runs; the rule looks at the arms
+    promoted = "promoted"  # the candidate serves every run (the policy's step from now on)
+    rolled_back = "rolled_back"  # the candidate serves nothing, ever again; the incumbent stays
+
+
+class Rollout(Base):
+    """One canary of a policy: a candidate step against the incumbent it would replace (issue 28)."""
+
+    __tablename__ = "rollouts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    policy: Mapped[str] = mapped_column(String(256), comment="the policy")
+    candidate_step: Mapped[int] = mapped_column(Integer, comment="the new step on trial")
+    incumbent_step: Mapped[int] = mapped_column(Integer, comment="the step it would replace (0 = base)")
+    fraction: Mapped[float] = mapped_column(Float, comment="share of new runs the candidate serves, 0-1")
+    status: Mapped[str] = mapped_column(
+        String(16), default=RolloutStatus.canary, comment="canary, promoted or rolled_back"
+    )
+    decision: Mapped[str | None] = mapped_column(
+        String(16), comment="the last look's outcome: continue, promote or rollback"
+    )
+    decided_by: Mapped[str | None] = mapped_column(String(16), comment="rule, or manual (rlproxy rollout)")
+    reason: Mapped[str | None] = mapped_column(Text, comment="why, in words (the test and its numbers)")
+    looks: Mapped[int] = mapped_column(
+        Integer, default=0, server_default="0", comment="looks the rule took (each spends alpha / looks)"
+    )
+    statistic: Mapped[str | None] = mapped_column(String(16), comment="welch_t, paired_t or errors_z")
+    stat_value: Mapped[float | None] = mapped_column(Float, comment="the statistic at the last look")
+    p_value: Mapped[float | None] = mapped_column(Float, comment="its one-sided p-value")
+    candidate_runs: Mapped[int | None] = mapped_column(Integer, comment="rewarded runs of the candidate arm")
+    incumbent_runs: Mapped[int | None] = mapped_column(Integer, comment="rewarded runs of the incumbent arm")
+    candidate_reward: Mapped[float | None] = mapped_column(Float, comment="mean reward, candidate arm")
+    incumbent_reward: Mapped[float | None] = mapped_column(Float, comment="mean reward, incumbent arm")
+    candidate_error_rate: Mapped[float | None] = mapped_column(
+        Float, comment="share of the candidate's runs with a 5xx or a completion cut at its length"
+    )
+    incumbent_error_rate: Mapped[float | None] = mapped_column(Float, comment="the same, incumbent arm")
+    started_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, comment="runs created from then on are assigned"
+    )
+    looked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), comment="the last look")
+    decided_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), comment="promoted or rolled back at"
+    )
+
+    __table_args__ = (
+        # one rollout per candidate step: two trainers or proxies can never open (or decide) it twice
+        UniqueConstraint("policy", "candidate_step", name="uq_rollouts_policy_candidate"),
+        Index("ix_rollouts_policy_status", "policy", "status"),
+    )

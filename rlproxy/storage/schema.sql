@@ -46,6 +46,33 @@ CREATE TABLE policies (
 	PRIMARY KEY (name)
 );
 
+CREATE TABLE rollouts (
+	id INTEGER NOT NULL,
+	policy VARCHAR(256) NOT NULL /* the policy */,
+	candidate_step INTEGER NOT NULL /* the new step on trial */,
+	incumbent_step INTEGER NOT NULL /* the step it would replace (0 = base) */,
+	fraction FLOAT NOT NULL /* share of new runs the candidate serves, 0-1 */,
+	status VARCHAR(16) NOT NULL /* canary, promoted or rolled_back */,
+	decision VARCHAR(16) /* the last look's outcome: continue, promote or rollback */,
+	decided_by VARCHAR(16) /* rule, or manual (rlproxy rollout) */,
+	reason TEXT /* why, in words (the test and its numbers) */,
+	looks INTEGER DEFAULT '0' NOT NULL /* looks the rule took (each spends alpha / looks) */,
+	statistic VARCHAR(16) /* welch_t, paired_t or errors_z */,
+	stat_value FLOAT /* the statistic at the last look */,
+	p_value FLOAT /* its one-sided p-value */,
+	candidate_runs INTEGER /* rewarded runs of the candidate arm */,
+	incumbent_runs INTEGER /* rewarded runs of the incumbent arm */,
+	candidate_reward FLOAT /* mean reward, candidate arm */,
+	incumbent_reward FLOAT /* mean reward, incumbent arm */,
+	candidate_error_rate FLOAT /* share of the candidate's runs with a 5xx or a completion cut at its length */,
+	incumbent_error_rate FLOAT /* the same, incumbent arm */,
+	started_at DATETIME NOT NULL /* runs created from then on are assigned */,
+	looked_at DATETIME /* the last look */,
+	decided_at DATETIME /* promoted or rolled back at */,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_rollouts_policy_candidate UNIQUE (policy, candidate_step)
+);
+
 CREATE TABLE runs (
 	id VARCHAR(128) NOT NULL /* X-Run-Id of the episode */,
 	group_id VARCHAR(128) /* X-Group-Id, or a hash of policy+tools+prompt of its first completion */,
@@ -80,6 +107,8 @@ CREATE TABLE training_steps (
 
 CREATE INDEX ix_completions_created_at ON completions (created_at);
 
+CREATE INDEX ix_rollouts_policy_status ON rollouts (policy, status);
+
 CREATE INDEX ix_runs_created_at ON runs (created_at, id);
 
 CREATE INDEX ix_runs_group_id ON runs (group_id);
@@ -111,6 +140,25 @@ SELECT c.run_id, c.id, c.seq,
        json_extract(c.response, '$.choices[0].message.name')
 FROM completions AS c
 WHERE json_type(c.response, '$.choices[0].message') = 'object';
+
+CREATE VIEW rollout_runs AS
+SELECT rollout_id, policy,
+    CASE WHEN step = candidate_step THEN 'candidate' ELSE 'incumbent' END AS arm,
+    step, run_id, group_id, reward, status, errored, created_at, completed_at
+FROM (
+    SELECT ro.id AS rollout_id, ro.policy AS policy, ro.candidate_step AS candidate_step,
+        ro.incumbent_step AS incumbent_step, r.id AS run_id, r.group_id AS group_id,
+        r.reward AS reward, r.status AS status, r.created_at AS created_at,
+        r.completed_at AS completed_at,
+        (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
+        (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
+        CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
+            AND (c.status_code >= 500 OR c.finish_reason = 'length')) THEN 1 ELSE 0 END AS errored
+    FROM rollouts ro
+    JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
+        AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
+) AS a
+WHERE step = last_step AND step IN (candidate_step, incumbent_step);
 
 CREATE VIEW trajectories AS
 SELECT r.id AS run_id, r.group_id AS group_id, r.reward AS reward, r.status AS status,

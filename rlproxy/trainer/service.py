@@ -104,11 +104,13 @@ class TrainerService:
         on_train_state: Callable[[bool], None] | None = None,
         judge: Any = None,
         train_fn: Callable[..., StepResult] | None = None,
+        rollouts: Any = None,
     ) -> None:
         self.config = config
         # step.train_step's stand-in, same signature: `rlproxy train --nproc N` runs a step on N ranks
         self.train_fn = train_fn
         self.judge = judge  # trainer/judge.py Judge: scores the groups waiting for it before each selection
+        self.rollouts = rollouts  # trainer/rollout.py RolloutController (None: every policy immediate)
         self.db_url = db_url
         self.backend = backend
         self.on_publish = on_publish
@@ -211,12 +213,16 @@ class TrainerService:
                 return None
             await self._recover_locked()
             engine = self._db()
+            # canary rollouts: judge the open ones; a policy on trial trains again once it is decided
+            on_trial = await self.rollouts.tick(self) if self.rollouts is not None else set()
 
             # 1. select: ready groups of one policy; zero-variance groups are skipped, not trained
             runs = await self._select_runs()
             if not runs:
                 return None
             policy = runs[0].policy
+            if policy in on_trial:
+                return None
             run_ids = [r.run_id for r in runs]
             learner = await self._learner(policy)
             db_step = await latest_step(engine, policy)
@@ -445,6 +451,8 @@ class TrainerService:
         policy, step = saved.policy, saved.step
         name = adapter_name(policy, step)
         await self.backend.load_adapter(name, str(saved.path))
+        # a canary policy's rollout row exists before its step does (trainer/rollout.py)
+        rollout = await self.rollouts.begin(self._db(), policy, step) if self.rollouts is not None else None
         try:
             await commit_step(
                 self._db(),
@@ -464,6 +472,8 @@ class TrainerService:
             )
         except StepConflict:
             # the step belongs to nobody: forget its weights and its adapter, keep the last committed ones
+            if self.rollouts is not None:
+                await self.rollouts.abort(self._db(), rollout)
             self._learners.pop(policy, None)
             ckpt.discard(saved)
             await self._unload(name, 0)
@@ -474,12 +484,14 @@ class TrainerService:
         # the best adapter by validation reward stays too (keep_best; storage/validation.py)
         best = await best_step(self._db(), policy, min_runs=self.config.val_min_runs)
         protect = (best,) if best is not None and self.config.keep_best else ()
+        serving = await self.rollouts.protect(self._db(), policy) if self.rollouts is not None else ()
+        protect = (*protect, *serving)  # a canary's incumbent stays on disk and loaded (trainer/rollout.py)
         pruned = await asyncio.to_thread(
             ckpt.prune, self.config.checkpoint_dir, policy, self.config.keep_checkpoints, protect
         )
         await forget_adapter_paths(self._db(), policy, pruned)
         old = step - self.config.keep_checkpoints
-        if old >= 1:
+        if old >= 1 and old not in serving:
             task = asyncio.create_task(self._unload(adapter_name(policy, old), self.config.unload_grace))
             self._unloads.add(task)
             task.add_done_callback(self._unloads.discard)

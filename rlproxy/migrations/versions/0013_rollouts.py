@@ -1,23 +1,122 @@
-"""canary rollouts: the rollouts table and view (owner: issue 28) (placeholder)
+"""canary rollouts: the `rollouts` table and the `rollout_runs` view (issue 28; docs/rollout.md)
 
 Revision ID: 0013
 Revises: 0012
 Create Date: 2026-12-01
+
+- `rollouts`: one row per candidate step of a policy in `rollout = canary` mode (storage/models.py
+  Rollout): candidate and incumbent step, fraction, status (canary -> promoted | rolled_back), the
+  rule's last look (statistic, p-value, runs, reward and error rate per arm), decision, reason and
+  times. UNIQUE (policy, candidate_step): one rollout, hence one decision, per candidate, whichever
+  trainer, proxy or `rlproxy rollout` writes it.
+- view `rollout_runs(rollout_id, policy, arm, step, run_id, group_id, reward, status, errored,
+  created_at, completed_at)`: the runs of each rollout's arms. A run belongs to a rollout when it
+  was created while the rollout was open and every completion of it was served by the candidate or
+  by the incumbent (one step: runs that span a swap count for neither). `errored`: 1 when one of its
+  completions got a 5xx or was cut at its length (finish_reason `length`). Correlated MIN/MAX per
+  run read only that run's completions (uq_completions_run_seq).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
+from alembic import op
+
 revision: str = "0013"
 down_revision: str | None = "0012"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+ROLLOUT_RUNS_VIEW = """
+CREATE VIEW rollout_runs AS
+SELECT rollout_id, policy,
+    CASE WHEN step = candidate_step THEN 'candidate' ELSE 'incumbent' END AS arm,
+    step, run_id, group_id, reward, status, errored, created_at, completed_at
+FROM (
+    SELECT ro.id AS rollout_id, ro.policy AS policy, ro.candidate_step AS candidate_step,
+        ro.incumbent_step AS incumbent_step, r.id AS run_id, r.group_id AS group_id,
+        r.reward AS reward, r.status AS status, r.created_at AS created_at,
+        r.completed_at AS completed_at,
+        (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
+        (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
+        CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
+            AND (c.status_code >= 500 OR c.finish_reason = 'length')) THEN 1 ELSE 0 END AS errored
+    FROM rollouts ro
+    JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
+        AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
+) AS a
+WHERE step = last_step AND step IN (candidate_step, incumbent_step)
+"""
+
 
 def upgrade() -> None:
-    pass
+    op.create_table(
+        "rollouts",
+        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
+        sa.Column("policy", sa.String(length=256), nullable=False, comment="the policy"),
+        sa.Column("candidate_step", sa.Integer(), nullable=False, comment="the new step on trial"),
+        sa.Column(
+            "incumbent_step", sa.Integer(), nullable=False, comment="the step it would replace (0 = base)"
+        ),
+        sa.Column(
+            "fraction", sa.Float(), nullable=False, comment="share of new runs the candidate serves, 0-1"
+        ),
+        sa.Column("status", sa.String(length=16), nullable=False, comment="canary, promoted or rolled_back"),
+        sa.Column(
+            "decision",
+            sa.String(length=16),
+            nullable=True,
+            comment="the last look's outcome: continue, promote or rollback",
+        ),
+        sa.Column(
+            "decided_by", sa.String(length=16), nullable=True, comment="rule, or manual (rlproxy rollout)"
+        ),
+        sa.Column("reason", sa.Text(), nullable=True, comment="why, in words (the test and its numbers)"),
+        sa.Column(
+            "looks",
+            sa.Integer(),
+            nullable=False,
+            server_default="0",
+            comment="looks the rule took (each spends alpha / looks)",
+        ),
+        sa.Column("statistic", sa.String(length=16), nullable=True, comment="welch_t, paired_t or errors_z"),
+        sa.Column("stat_value", sa.Float(), nullable=True, comment="the statistic at the last look"),
+        sa.Column("p_value", sa.Float(), nullable=True, comment="its one-sided p-value"),
+        sa.Column(
+            "candidate_runs", sa.Integer(), nullable=True, comment="rewarded runs of the candidate arm"
+        ),
+        sa.Column(
+            "incumbent_runs", sa.Integer(), nullable=True, comment="rewarded runs of the incumbent arm"
+        ),
+        sa.Column("candidate_reward", sa.Float(), nullable=True, comment="mean reward, candidate arm"),
+        sa.Column("incumbent_reward", sa.Float(), nullable=True, comment="mean reward, incumbent arm"),
+        sa.Column(
+            "candidate_error_rate",
+            sa.Float(),
+            nullable=True,
+            comment="share of the candidate's runs with a 5xx or a completion cut at its length",
+        ),
+        sa.Column("incumbent_error_rate", sa.Float(), nullable=True, comment="the same, incumbent arm"),
+        sa.Column(
+            "started_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            comment="runs created from then on are assigned",
+        ),
+        sa.Column("looked_at", sa.DateTime(timezone=True), nullable=True, comment="the last look"),
+        sa.Column(
+            "decided_at", sa.DateTime(timezone=True), nullable=True, comment="promoted or rolled back at"
+        ),
+        sa.PrimaryKeyConstraint("id"),
+        sa.UniqueConstraint("policy", "candidate_step", name="uq_rollouts_policy_candidate"),
+    )
+    op.create_index("ix_rollouts_policy_status", "rollouts", ["policy", "status"])
+    op.execute(ROLLOUT_RUNS_VIEW)
 
 
 def downgrade() -> None:
-    pass
+    op.execute("DROP VIEW IF EXISTS rollout_runs")
+    op.drop_index("ix_rollouts_policy_status", table_name="rollouts")
+    op.drop_table("rollouts")
