@@ -121,6 +121,7 @@ def create_app(state: ProxyState) -> FastAPI:
                 state.metrics.attach_upstreams(upstream)
             poll = state.policies.poll(state.engine, settings.policy_poll_interval, backend)  # replicas
             tasks.append(asyncio.create_task(poll, name="rlproxy-policy-poll"))
+            tasks.append(asyncio.create_task(state.metrics.watch_loop(), name="rlproxy-loop-lag"))
             tasks.append(
                 asyncio.create_task(_expire_loop(state.engine, settings.run_expiry), name="rlproxy-expiry")
             )
