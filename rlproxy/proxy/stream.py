@@ -33,6 +33,7 @@ from starlette.responses import Response
 from rlproxy.errors import BackendError
 from rlproxy.proxy import http11
 from rlproxy.proxy.capture import Injected, StreamAssembler, strip
+from rlproxy.proxy.errors import public_message
 
 if TYPE_CHECKING:
     from rlproxy.proxy.responses import EventStream
@@ -74,6 +75,8 @@ class StreamRelay(Response):
         if self._reported:
             return
         self._reported = True
+        if status == "ok" and self.error is None and self.assembler.malformed:
+            self.error = "the upstream's stream had chunks not of the OpenAI shape (skipped)"
         if status == "ok" and self.error is not None:
             status = "error"
         self.done(status, self.error, self.ttft, code)
@@ -117,13 +120,14 @@ class StreamRelay(Response):
             status, code = "error", exc.status
             self.error = f"upstream stream broke: {exc}"
             logger.warning("%s", self.error)
-            if self.translate is not None:  # the Responses API ends a broken stream with response.failed
-                body = self.translate.fail(self.error)
-                self._report(status, code)
-                try:
-                    await send({"type": "http.response.body", "body": body, "more_body": False})
-                except OSError:
-                    pass
+            await self._fail(send, status, code, public_message(exc))
+        except Exception as exc:  # a chunk the relay could not handle: stored as an error, never ok
+            status, code = "error", 502
+            self.error = f"the stream could not be relayed: {type(exc).__name__}: {exc}"[:2000]
+            logger.warning("%s", self.error, exc_info=exc)
+            await self._fail(
+                send, status, code, "The model server sent a stream that is not a valid completion."
+            )
         except OSError:  # the server noticed the client's disconnect on write first
             status, code = "cancelled", 499
         finally:
@@ -131,6 +135,18 @@ class StreamRelay(Response):
             watcher.cancel()
             self.upstream.close()  # a cut stream closes the upstream connection: the upstream aborts
             self._report(status, code)
+
+    async def _fail(self, send, status: str, code: int, message: str) -> None:
+        """End a broken stream: the Responses API says response.failed (with `message`, which never
+        names the upstream); a chat stream is cut (no final chunk: the client can tell)."""
+        if self.translate is None:
+            return
+        body = self.translate.fail(message)
+        self._report(status, code)
+        try:
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        except OSError:
+            pass
 
     async def _relay(self, send) -> None:
         """Relay until the upstream's body ends; the last write also ends the response (one syscall)."""
