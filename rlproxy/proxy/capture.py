@@ -216,70 +216,101 @@ class StreamAssembler:
         self.usage: dict | None = None
         self.got_token = False  # a chunk carrying generated text or tokens arrived (for ttft)
         self.malformed = False  # a part of a chunk was not of the OpenAI shape (skipped)
+        self._chat = endpoint == CHAT
+        self._keep_entries = not inj.logprobs  # the client asked for logprobs: rebuild them
 
     def feed(self, chunk: dict) -> None:
-        """Fold one parsed `data:` chunk in (before it is stripped for the client)."""
+        """Fold one parsed `data:` chunk in (before it is stripped for the client).
+
+        Runs for every token of every stream: local lookups, one `get` per field, and nothing kept
+        that the result will not use (the client's own logprob entries only when it asked).
+        """
+        get = chunk.get
         if not self.head:
-            self.head = {k: chunk.get(k) for k in ("id", "created", "model", "system_fingerprint")}
-        if chunk.get("prompt_token_ids") is not None and _ints(chunk["prompt_token_ids"]):
-            self.prompt_token_ids = chunk["prompt_token_ids"]
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        choices = chunk.get("choices")
-        for c in choices if isinstance(choices, list) else ():
-            if not isinstance(c, dict):  # not a choice: nothing of it can be kept
+            self.head = {k: get(k) for k in ("id", "created", "model", "system_fingerprint")}
+        p = get("prompt_token_ids")
+        if p is not None and _ints(p):
+            self.prompt_token_ids = p
+        usage = get("usage")
+        if usage:
+            if type(usage) is dict:
+                self.usage = usage
+        choices = get("choices")
+        if not choices:
+            return
+        if type(choices) is not list:
+            self.malformed = True
+            return
+        chat = self._chat
+        for c in choices:
+            if type(c) is not dict:  # not a choice: nothing of it can be kept
                 self.malformed = True
                 continue
-            idx = c.get("index", 0)
+            cg = c.get
+            idx = cg("index", 0)
             if type(idx) is not int:
                 idx = 0
             ch = self.choices.get(idx)
             if ch is None:
                 ch = self.choices[idx] = _Choice(idx)
-            if c.get("prompt_token_ids") is not None and ch.prompt_token_ids is None:
-                if _ints(c["prompt_token_ids"]):
-                    ch.prompt_token_ids = c["prompt_token_ids"]
-            ids = c.get("token_ids")
+            p = cg("prompt_token_ids")
+            if p is not None and ch.prompt_token_ids is None and _ints(p):
+                ch.prompt_token_ids = p
+            ids = cg("token_ids")
             if ids:
                 if _ints(ids):
                     ch.token_ids.extend(ids)
                     self.got_token = True
                 else:
                     self.malformed = True
-            lp = c.get("logprobs")
-            if lp and isinstance(lp, dict):
-                if self.endpoint == CHAT:
-                    entries = [e for e in lp.get("content") or () if isinstance(e, dict)]
-                    ch.logprobs.extend(e.get("logprob") for e in entries)
-                    ch.logprob_entries.extend(entries)
+            lp = cg("logprobs")
+            if lp and type(lp) is dict:
+                if chat:
+                    for e in lp.get("content") or ():
+                        if type(e) is dict:
+                            ch.logprobs.append(e.get("logprob"))
+                            if self._keep_entries:
+                                ch.logprob_entries.append(e)
                 else:
                     tl = lp.get("token_logprobs")
-                    ch.logprobs.extend(tl if isinstance(tl, list) else ())
-                    ch.logprob_entries.append(lp)
-            if c.get("finish_reason") is not None:
-                ch.finish_reason = c["finish_reason"]
-            if c.get("stop_reason") is not None:
-                ch.stop_reason = c["stop_reason"]
-            if self.endpoint == CHAT:
-                delta = c.get("delta") or {}
-                if isinstance(delta, dict):
-                    self._delta(ch, delta)
-                else:
-                    self.malformed = True
-            elif c.get("text"):
-                ch.text.append(str(c["text"]))
-                self.got_token = True
+                    if type(tl) is list:
+                        ch.logprobs.extend(tl)
+                    if self._keep_entries:
+                        ch.logprob_entries.append(lp)
+            fr = cg("finish_reason")
+            if fr is not None:
+                ch.finish_reason = fr
+            sr = cg("stop_reason")
+            if sr is not None:
+                ch.stop_reason = sr
+            if chat:
+                delta = cg("delta")
+                if delta:
+                    if type(delta) is dict:
+                        self._delta(ch, delta)
+                    else:
+                        self.malformed = True
+            else:
+                text = cg("text")
+                if text:
+                    ch.text.append(str(text))
+                    self.got_token = True
 
     def _delta(self, ch: _Choice, delta: dict) -> None:
-        if delta.get("role"):
-            ch.role = str(delta["role"])
-        if delta.get("content"):
-            ch.text.append(str(delta["content"]))
+        get = delta.get
+        role = get("role")
+        if role:
+            ch.role = str(role)
+        content = get("content")
+        if content:
+            ch.text.append(content if type(content) is str else str(content))
             self.got_token = True
-        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        reasoning = get("reasoning") or get("reasoning_content")
         if reasoning:
             ch.reasoning.append(str(reasoning))
-        calls = delta.get("tool_calls") or ()
+        calls = get("tool_calls")
+        if not calls:
+            return
         for tc in calls if isinstance(calls, list) else ():
             if not isinstance(tc, dict):
                 self.malformed = True

@@ -183,35 +183,49 @@ class StreamRelay(Response):
 
     def _event(self, event: bytes, rewrite: bool) -> bytes:
         """Fold one SSE event into the assembler; the bytes to send for it (when rewriting)."""
+        if event.startswith(b"data: {") and b"\n" not in event:  # vLLM's every event: one data line
+            return self._data(event, 0, [event], rewrite)
         lines = event.split(b"\n")
         translated = b""
         for i, line in enumerate(lines):
             if not line.startswith(b"data:"):
                 continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]" or not payload:
-                continue
-            try:
-                chunk = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(chunk, dict):
-                continue
-            if "error" in chunk and not chunk.get("choices"):
-                self.error = str(chunk["error"])
-            self.assembler.feed(chunk)
-            if self.ttft is None and self.assembler.got_token:
-                self.ttft = time.perf_counter() - self.started
+            out = self._data(line, i, lines, rewrite)
             if self.translate is not None:
-                translated += self.translate.chunk(chunk)
-            elif rewrite:
-                strip(chunk, self.inj)
-                if _empty(chunk):
-                    return b""
-                lines[i] = b"data: " + orjson.dumps(chunk)
+                translated += out
+            elif rewrite and out == b"":
+                return b""
         if self.translate is not None:
             return translated
         return b"\n".join(lines) + b"\n\n" if rewrite else b""
+
+    def _data(self, line: bytes, i: int, lines: list[bytes], rewrite: bool) -> bytes:
+        """One `data:` line: folded in, and (rewriting) `lines[i]` replaced. What the one-line
+        fast path sends; the general path reads only the translation's and an empty chunk's b""."""
+        payload = line[5:].strip()
+        if payload == b"[DONE]" or not payload:
+            return b"\n".join(lines) + b"\n\n" if rewrite and self.translate is None else b""
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            chunk = None
+        if type(chunk) is not dict:
+            return b"\n".join(lines) + b"\n\n" if rewrite and self.translate is None else b""
+        if "error" in chunk and not chunk.get("choices"):
+            self.error = str(chunk["error"])
+        assembler = self.assembler
+        assembler.feed(chunk)
+        if self.ttft is None and assembler.got_token:
+            self.ttft = time.perf_counter() - self.started
+        if self.translate is not None:
+            return self.translate.chunk(chunk)
+        if not rewrite:
+            return b""
+        strip(chunk, self.inj)
+        if _empty(chunk):
+            return b""
+        lines[i] = b"data: " + orjson.dumps(chunk)
+        return b"\n".join(lines) + b"\n\n"
 
 
 def _empty(chunk: dict) -> bool:
