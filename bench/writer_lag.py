@@ -104,7 +104,12 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--every-ms", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--switch-ms", type=float, default=None, help="sys.setswitchinterval, ms (default: Python's)"
+    )
     args = ap.parse_args()
+    if args.switch_ms is not None:
+        sys.setswitchinterval(args.switch_ms / 1000)
     tmp = Path(tempfile.mkdtemp(prefix="rlproxy-wlag-"))
     url = f"sqlite+aiosqlite:///{tmp / 'w.db'}"
     upgrade(url)
