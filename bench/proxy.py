@@ -1,26 +1,41 @@
-"""What the proxy costs: added latency, throughput ratio, CPU per request, rows stored.
+"""What the proxy costs as its users drive it: added latency, event-loop lag, throughput, CPU, rows.
 
-One run, three processes: a plain-asyncio stub upstream (tests/stub_upstream.py), the proxy
-(`rlproxy serve` attached to the stub, capture on, SQLite, no trainer, no access log) and `wrk`
-(Debian package `wrk`) with a small Lua script as the load generator — a Python client saturates
-near 600 req/s and would hide the proxy's cost. Every case runs against the stub directly and
-through the proxy in the same run, so the printed ratios compare like with like.
+One run, several processes: a plain-asyncio stub upstream (tests/stub_upstream.py), the proxy
+(`rlproxy serve` attached to the stub, capture on, SQLite, no trainer, no access log), `wrk` (Debian
+package `wrk`) with a small Lua script as the load generator (a Python client saturates near 600
+req/s and would hide the proxy's cost), and, while the load runs, this process posting rewards and
+(in the `+poll` cases) a subprocess running the trainer's poll against the same SQLite file. Every
+case runs against the stub directly and through the proxy in alternating slices of the same run, so
+the printed ratios compare like with like.
 
-    1. delay 0, concurrency 1, non-streaming: latency added by the proxy at p50 and p99
-       (goal p50 <= 1 ms, p99 <= 5 ms).
-    2. delay 50 ms (a model's pace), concurrency 64, non-streaming and streaming:
-       throughput via proxy / direct (goal >= 0.9).
-    3. CPU seconds of the proxy process per 1,000 requests (its own figure, to track).
-    4. rows stored == requests the proxy forwarded, in every case.
-    5. `POST /v1/responses` (the Responses API, which the proxy serves over the upstream's chat
-       completions): the same latency and streaming-throughput cases, through the proxy against the
-       equivalent chat request sent directly, so "added" includes the translation both ways.
-    6. `POST /v1/messages` (Anthropic's Messages API, served the same way): the same two cases.
+What users do, and so what is measured: every request carries an `X-Run-Id` (a run is `--turns`
+consecutive requests of one wrk thread, 4 by default; each slice has its own run ids), and a reward
+is posted for `--reward-share` of the runs (half by default) as soon as the store holds all of their
+turns (`runs.next_seq >= turns`, read from the file), on a few keep-alive connections, while the
+load runs: the reward path (which waits for its run's commit) competes with the completions. The
+trainer poll (`--poller`, the `+poll` cases) is the storage poll query at the trainer's interval:
+`ungroup_runs` + `ready_groups` every `poll_interval` (1 s) in its own process on the same file,
+what `TrainerService._select` reads when no step is ready (no torch, no step: the proxy's side of
+a trainer sharing its store). The event loop's lag is the proxy's own histogram
+`rlproxy_event_loop_lag_seconds` (/metrics), read before and after each proxy slice.
+
+    1. delay 0, concurrency 1, non-streaming, untagged and tagged: latency added by the proxy at p50
+       and p99 (goal, tagged: p50 <= 0.3 ms, p99 <= 2 ms) and loop lag p99 (goal <= 1 ms).
+    2. delay 50 ms (a model's pace), concurrency 64, chat and Responses, stream and not, tagged with
+       rewards flowing: throughput via proxy / direct (goal >= 0.95).
+    3. CPU seconds of the proxy process per 1,000 requests (goal <= 0.35 tagged non-stream chat,
+       stream <= 1.5x that).
+    4. rows stored == requests the proxy forwarded, in every case; every reward answered 200.
+    5. `POST /v1/responses` (served over the upstream's chat completions) against the equivalent
+       chat request sent directly, so "added" includes the translation both ways.
+    6. `POST /v1/messages` (Anthropic's Messages API, served the same way): latency at c=1 (goal
+       added p50 <= 1 ms) and streaming throughput at 64 (goal >= 0.9x).
 
     python bench/proxy.py            # 10 s per measurement
     python bench/proxy.py --quick    # 3 s per measurement
     python bench/proxy.py --quick --route responses   # only the Responses API cases
-    python bench/proxy.py --quick --route messages    # only the Messages API cases
+    python bench/proxy.py --quick --route messages    # only the Messages API cases (Anthropic's)
+    python bench/proxy.py --compare litellm           # direct vs rlproxy vs LiteLLM (make litellm)
 """
 
 from __future__ import annotations
@@ -29,13 +44,17 @@ import argparse
 import datetime
 import math
 import os
+import re
 import shutil
 import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -48,7 +67,8 @@ LUA = r"""
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 local run_id = os.getenv("BENCH_RUN_ID")
-if run_id and run_id ~= "" then wrk.headers["X-Run-Id"] = run_id end
+local turns = tonumber(os.getenv("BENCH_TURNS") or "0") or 0
+if run_id and run_id ~= "" and turns == 0 then wrk.headers["X-Run-Id"] = run_id end
 local delay = os.getenv("BENCH_DELAY")
 if delay and delay ~= "" then wrk.headers["x-stub-delay"] = delay end
 local auth = os.getenv("BENCH_AUTH")
@@ -69,6 +89,21 @@ else
   wrk.body = '{"model":"stub-model","messages":[{"role":"system","content":"You are a helpful agent."},'
     .. '{"role":"user","content":"Find the weather in Paris and answer in one word."}],'
     .. '"max_tokens":8,"temperature":0.7' .. (stream and ',"stream":true' or '') .. '}'
+end
+-- tagged traffic: run "<BENCH_RUN_ID>-<thread>-<k>" is this thread's requests k*turns .. k*turns+turns-1
+local nthreads = 0
+setup = function(thread)
+  nthreads = nthreads + 1
+  thread:set("tid", nthreads)
+end
+if run_id and run_id ~= "" and turns > 0 then
+  local counter = 0
+  request = function()
+    local k = math.floor(counter / turns)
+    counter = counter + 1
+    wrk.headers["X-Run-Id"] = run_id .. "-" .. tid .. "-" .. k
+    return wrk.format()
+  end
 end
 done = function(summary, latency, requests)
   local e = summary.errors
@@ -100,13 +135,15 @@ def wait_http(url: str, timeout: float = 60.0) -> None:
 
 
 def wrk_env(
-    run_id: str, delay: float | None, stream: bool, auth: str = "", route: str = "chat"
+    run_id: str, delay: float | None, stream: bool, auth: str = "", route: str = "chat", turns: int = 0
 ) -> dict[str, str]:
     """What the Lua script reads: no delay = no x-stub-delay header (the stub's own delay applies);
-    `route` "responses" / "messages" sends the Responses / Messages form of the request."""
+    `route` "responses" sends the Responses form of the request; `turns` > 0 tags the requests with
+    a run id per `turns` requests (`run_id` is then the prefix), else every request has `run_id`."""
     return {
         **os.environ,
         "BENCH_RUN_ID": run_id,
+        "BENCH_TURNS": str(turns),
         "BENCH_DELAY": "" if delay is None else str(delay),
         "BENCH_STREAM": "1" if stream else "0",
         "BENCH_AUTH": auth,
@@ -124,9 +161,10 @@ def wrk(
     stream: bool,
     auth: str = "",
     route: str = "chat",
+    turns: int = 0,
 ) -> dict:
     """Run wrk; its Lua `done` prints: requests, duration us, non-2xx, socket errors, p50, p99, mean (us)."""
-    env = wrk_env(run_id, delay, stream, auth, route)
+    env = wrk_env(run_id, delay, stream, auth, route, turns)
     threads = 1 if conns == 1 else 2
     cmd = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds:g}s", "--timeout", "10s", "-s", str(script), url]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
@@ -159,20 +197,175 @@ def stub_count(stub_url: str) -> int:
     return httpx.get(f"{stub_url}/stub/stats").json()["requests"]
 
 
-def rows_for(db_path: Path, run_id: str, expect: int, wait_s: float = 15.0) -> int:
-    """Completions stored for `run_id`, once the writer has caught up with `expect` (or wait_s passed)."""
+def rows_for(db_path: Path, run_id: str, expect: int, wait_s: float = 15.0, prefix: bool = False) -> int:
+    """Completions stored for `run_id` (every run id starting `run_id-` when `prefix`), once the
+    writer has caught up with `expect` (or wait_s passed)."""
     deadline = time.monotonic() + wait_s
     n = -1
+    query = "SELECT count(*) FROM completions WHERE " + (
+        "run_id >= ? AND run_id < ?" if prefix else "run_id = ? AND ? IS NOT NULL"
+    )
+    args = (run_id + "-", run_id + ".") if prefix else (run_id, 1)  # "." sorts right after "-"
     while time.monotonic() < deadline:
         con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)
         try:
-            n = con.execute("SELECT count(*) FROM completions WHERE run_id = ?", (run_id,)).fetchone()[0]
+            n = con.execute(query, args).fetchone()[0]
         finally:
             con.close()
         if n >= expect:
             break
         time.sleep(0.2)
     return n
+
+
+class Rewarder:
+    """Posts rewards while the load runs: for `share` of the runs whose prefix is `prefix`, as soon
+    as the store holds all `turns` of their completions (read from the SQLite file, read-only)."""
+
+    def __init__(self, proxy_url: str, db_path: Path, share: float, turns: int, workers: int = 4) -> None:
+        self.url, self.db_path, self.share, self.turns = proxy_url, db_path, share, turns
+        self.client = httpx.Client(
+            base_url=proxy_url, timeout=30.0, limits=httpx.Limits(max_connections=workers)
+        )
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="bench-reward")
+        self.prefix: str | None = None
+        self.seen: set[str] = set()
+        self.codes: dict[int, int] = {}
+        self.latencies: list[float] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-rewarder", daemon=True)
+        self._thread.start()
+
+    def watch(self, prefix: str | None) -> None:
+        """Reward the runs of `prefix` from now on (None: none); the counts restart."""
+        with self._lock:
+            self.prefix, self.codes, self.latencies = prefix, {}, []
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.1):
+            prefix = self.prefix
+            if prefix is None:
+                continue
+            try:
+                con = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
+                try:
+                    ids = [
+                        r[0]
+                        for r in con.execute(
+                            "SELECT id FROM runs WHERE id >= ? AND id < ?"
+                            " AND next_seq >= ? AND reward IS NULL",
+                            (prefix + "-", prefix + ".", self.turns),
+                        )
+                    ]
+                finally:
+                    con.close()
+            except sqlite3.Error:
+                continue
+            for rid in ids:
+                if rid in self.seen:
+                    continue
+                self.seen.add(rid)
+                crc = zlib.crc32(rid.encode())
+                if crc % 1000 < self.share * 1000:
+                    self.pool.submit(self._post, rid, (crc % 11) / 10)
+
+    def _post(self, run_id: str, reward: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            code = self.client.post(f"/v1/runs/{run_id}/reward", json={"reward": reward}).status_code
+        except httpx.HTTPError:
+            code = -1
+        with self._lock:
+            self.codes[code] = self.codes.get(code, 0) + 1
+            self.latencies.append(time.perf_counter() - t0)
+
+    def drain(self, wait_s: float = 3.0) -> tuple[dict[int, int], list[float]]:
+        """Let the last runs' rewards go out; the status counts and latencies since `watch`."""
+        time.sleep(wait_s)
+        with self._lock:
+            return dict(self.codes), list(self.latencies)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.client.close()
+
+
+def poll_store(db_path: str, interval: float) -> int:
+    """`--poller`: the trainer's poll (`ungroup_runs` + `ready_groups`, as TrainerService._select
+    runs them when no step is ready) every `interval` s on `db_path`, until killed; prints each
+    poll's time when stopped (SIGTERM)."""
+    import asyncio
+    import signal
+
+    sys.path.insert(0, str(ROOT))
+    from rlproxy.storage.db import create_engine
+    from rlproxy.storage.training import ready_groups, ungroup_runs
+    from rlproxy.trainer.config import TrainerConfig
+
+    cfg = TrainerConfig()
+    times: list[float] = []
+
+    async def loop() -> None:
+        engine = create_engine(f"sqlite+aiosqlite:///{db_path}")
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await ungroup_runs(engine, group_timeout=cfg.group_timeout)
+            await ready_groups(engine, group_size=cfg.group_size, group_timeout=cfg.group_timeout)
+            times.append(time.perf_counter() - t0)
+            try:
+                await asyncio.wait_for(stop.wait(), interval)
+            except TimeoutError:
+                pass
+        await engine.dispose()
+
+    asyncio.run(loop())
+    if times:
+        print(f"POLLS {len(times)} {statistics.median(times) * 1000:.1f} {max(times) * 1000:.1f}", flush=True)
+    return 0
+
+
+class Poller:
+    """`bench/proxy.py --poller DB` in its own process (its CPU is not the proxy's)."""
+
+    def __init__(self, db_path: Path, interval: float) -> None:
+        cmd = [sys.executable, __file__, "--poller", str(db_path), "--poll-interval", str(interval)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        out = self.proc.communicate(timeout=30)[0]
+        line = next((ln for ln in out.splitlines() if ln.startswith("POLLS")), None)
+        if line is None:
+            return "trainer poll: no poll finished"
+        n, med, worst = line.split()[1:]
+        return f"trainer poll: {n} polls, median {med} ms, worst {worst} ms"
+
+
+def loop_lag(proxy_url: str) -> dict[float, float]:
+    """The proxy's `rlproxy_event_loop_lag_seconds` buckets: upper bound -> cumulative count."""
+    out: dict[float, float] = {}
+    for line in httpx.get(f"{proxy_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("rlproxy_event_loop_lag_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float("inf") if le == "+Inf" else float(le)] = float(line.split()[-1])
+    return out
+
+
+def lag_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The q-quantile of the lag samples between two scrapes, as its bucket's upper bound (s)."""
+    diff = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
+    total = diff.get(float("inf"), 0.0)
+    if total <= 0:
+        return float("nan")
+    for le, n in diff.items():
+        if n >= q * total:
+            return le
+    return float("inf")
 
 
 class Proxy:
@@ -418,11 +611,18 @@ def main() -> int:
         default="all",
         help="which proxy route the cases measure (the direct side is always the stub's chat route)",
     )
+    ap.add_argument("--only", default="", help="only the cases whose name matches this regex")
+    ap.add_argument("--turns", type=int, default=4, help="requests per run (tagged cases)")
+    ap.add_argument("--reward-share", type=float, default=0.5, help="share of runs that get a reward, 0-1")
+    ap.add_argument("--poll-interval", type=float, default=1.0, help="trainer poll period, seconds")
+    ap.add_argument("--poller", metavar="DB", help=argparse.SUPPRESS)  # the trainer-poll subprocess
     ap.add_argument("--delay-ms", type=float, default=0.0, help="--compare: the stub's delay per answer, ms")
     ap.add_argument(
         "--rounds", type=int, default=None, help="--compare: alternating rounds (1 quick, 2 full)"
     )
     args = ap.parse_args()
+    if args.poller:
+        return poll_store(args.poller, args.poll_interval)
     secs = args.seconds or (3.0 if args.quick else 10.0)
     if shutil.which("wrk") is None:
         print("bench/proxy.py needs wrk: apt-get install -y wrk", file=sys.stderr)
@@ -430,7 +630,35 @@ def main() -> int:
     if args.compare == "litellm":
         window = args.seconds or (2.0 if args.quick else 4.0)
         return compare_litellm(window, args.rounds or (1 if args.quick else 2), args.delay_ms / 1000)
+    return measure(secs, 3 if args.quick else 5, args)
 
+
+# (name, concurrency, stub delay s, stream, proxy route, tagged + rewards, trainer poll)
+CASES = [
+    ("untagged c=1 delay=0", 1, 0.0, False, "chat", False, False),
+    ("tagged c=1 delay=0", 1, 0.0, False, "chat", True, False),
+    ("tagged c=1 delay=0 +poll", 1, 0.0, False, "chat", True, True),
+    ("tagged c=64 delay=50ms", 64, 0.05, False, "chat", True, False),
+    ("tagged c=64 delay=50ms stream", 64, 0.05, True, "chat", True, False),
+    ("tagged c=64 delay=50ms +poll", 64, 0.05, False, "chat", True, True),
+    ("responses: tagged c=1 delay=0", 1, 0.0, False, "responses", True, False),
+    ("responses: tagged c=64 delay=50ms", 64, 0.05, False, "responses", True, False),
+    ("responses: tagged c=64 delay=50ms stream", 64, 0.05, True, "responses", True, False),
+    ("messages: tagged c=1 delay=0", 1, 0.0, False, "messages", True, False),
+    ("messages: tagged c=64 delay=50ms stream", 64, 0.05, True, "messages", True, False),
+]
+GOALS = {
+    "add_p50_ms": 0.3,
+    "add_p99_ms": 2.0,
+    "lag_p99_ms": 1.0,
+    "ratio": 0.95,
+    "cpu_k": 0.35,
+    "stream_x": 1.5,
+}
+
+
+def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
+    """The cases above, each direct and through the proxy in alternating slices; prints the goals."""
     tmp = Path(tempfile.mkdtemp(prefix="rlproxy-bench-"))
     script = tmp / "post.lua"
     script.write_text(LUA)
@@ -441,11 +669,12 @@ def main() -> int:
         [sys.executable, str(ROOT / "tests" / "stub_upstream.py"), "--port", str(stub_port)],
         stdout=subprocess.DEVNULL,
     )
-    proxy = None
+    proxy = rewarder = None
     failures: list[str] = []
     try:
         wait_http(f"{stub_url}/health")
         proxy = Proxy(stub_url, db_path)
+        rewarder = Rewarder(proxy.url, db_path, args.reward_share, args.turns)
         direct = f"{stub_url}/v1/chat/completions"
         via = {
             "chat": f"{proxy.url}/v1/chat/completions",
@@ -455,65 +684,105 @@ def main() -> int:
         # warm up both paths (connection pools, code paths, SQLite file)
         wrk(direct, script, 4, 1, "", 0, False)
         for route in via:
-            wrk(via[route], script, 4, 1, "warmup", 0, False, route=route)
-            wrk(via[route], script, 4, 1, "warmup-s", 0, True, route=route)
+            wrk(via[route], script, 4, 1, "warmup", 0, False, route=route, turns=args.turns)
+            wrk(via[route], script, 4, 1, "warmup-s", 0, True, route=route, turns=args.turns)
 
-        cases = [  # (name, concurrency, stub delay, stream, proxy route)
-            ("latency c=1 delay=0", 1, 0.0, False, "chat"),
-            ("throughput c=64 delay=50ms", 64, 0.05, False, "chat"),
-            ("throughput c=64 delay=50ms stream", 64, 0.05, True, "chat"),
-            ("responses: latency c=1 delay=0", 1, 0.0, False, "responses"),
-            ("responses: throughput c=64 delay=50ms stream", 64, 0.05, True, "responses"),
-            ("messages: latency c=1 delay=0", 1, 0.0, False, "messages"),
-            ("messages: throughput c=64 delay=50ms stream", 64, 0.05, True, "messages"),
-        ]
-        cases = [c for c in cases if args.route in ("all", c[4])]
-        rounds = 3 if args.quick else 5
+        cases = [c for c in CASES if args.route in ("all", c[4]) and re.search(args.only, c[0])]
+        load = os.getloadavg()
         print(
             f"# bench/proxy.py: {secs:g} s per measurement in {rounds} alternating direct/proxy rounds,"
-            " wrk, stub = plain asyncio, capture on (SQLite)"
+            f" wrk, stub = plain asyncio, capture on (SQLite); tagged = a run id per {args.turns} requests,"
+            f" rewards for {args.reward_share:g} of the runs while the load runs; +poll = the trainer's"
+            f" poll query every {args.poll_interval:g} s; {machine()}; load {load[0]:.2f} {load[1]:.2f}"
         )
         total_req, total_cpu = 0, 0.0
-        for i, (name, conns, delay, stream, route) in enumerate(cases):
+        cpu_k: dict[str, float] = {}
+        for i, (name, conns, delay, stream, route, tagged, poll) in enumerate(cases):
             # alternate direct and proxy slices so that background load hits both alike
             run_id = f"bench-{i}"
             ds, ps = [], []
             forwarded, cpu = 0, 0.0
-            for _ in range(rounds):
+            lag = {}
+            poller = Poller(db_path, args.poll_interval) if poll else None
+            rewarder.watch(run_id if tagged else None)
+            turns = args.turns if tagged else 0
+            for r in range(rounds):
                 ds.append(wrk(direct, script, conns, secs / rounds, "", delay, stream))
-                before_stub, before_cpu = stub_count(stub_url), proxy.cpu()
-                ps.append(wrk(via[route], script, conns, secs / rounds, run_id, delay, stream, route=route))
+                before_stub, before_cpu, before_lag = stub_count(stub_url), proxy.cpu(), loop_lag(proxy.url)
+                slice_id = (
+                    f"{run_id}-{r}" if tagged else run_id
+                )  # fresh runs per slice: a run is never reopened
+                ps.append(
+                    wrk(
+                        via[route],
+                        script,
+                        conns,
+                        secs / rounds,
+                        slice_id,
+                        delay,
+                        stream,
+                        route=route,
+                        turns=turns,
+                    )
+                )
                 forwarded += stub_count(stub_url) - before_stub
                 cpu += proxy.cpu() - before_cpu
+                after_lag = loop_lag(proxy.url)
+                for le, n in after_lag.items():  # only the proxy slices' samples
+                    lag[le] = lag.get(le, 0.0) + n - before_lag.get(le, 0.0)
+            codes, reward_s = rewarder.drain() if tagged else ({}, [])
+            poll_line = poller.stop() if poller is not None else None
             d, p = combine(ds), combine(ps)
-            rows = rows_for(db_path, run_id, forwarded)
+            rows = rows_for(db_path, run_id, forwarded, prefix=tagged)
             total_req += forwarded
             total_cpu += cpu
+            lag50 = lag_quantile({}, lag, 0.5) * 1000
+            lag99 = lag_quantile({}, lag, 0.99) * 1000
             print(f"\n## {name}")
             print(f"  direct : {d['rps']:8.0f} req/s  p50 {d['p50_ms']:.3f} ms  p99 {d['p99_ms']:.3f} ms")
             print(
                 f"  proxy  : {p['rps']:8.0f} req/s  p50 {p['p50_ms']:.3f} ms  p99 {p['p99_ms']:.3f} ms"
                 f"  (non-2xx {p['non2xx']}, socket errors {p['socket_errors']})"
             )
+            print(
+                f"  event-loop lag: p50 <= {lag50:g} ms, p99 <= {lag99:g} ms"
+                f" (bucket bounds; {lag.get(float('inf'), 0):.0f} samples)"
+            )
             if conns == 1:
                 add50, add99 = p["p50_ms"] - d["p50_ms"], p["p99_ms"] - d["p99_ms"]
-                ok = add50 <= 1.0 and add99 <= 5.0
+                ok = (
+                    add50 <= GOALS["add_p50_ms"]
+                    and add99 <= GOALS["add_p99_ms"]
+                    and lag99 <= GOALS["lag_p99_ms"]
+                )
                 print(
-                    f"  added latency: p50 {add50:.3f} ms (goal <= 1), p99 {add99:.3f} ms (goal <= 5)"
+                    f"  added latency: p50 {add50:.3f} ms (goal <= {GOALS['add_p50_ms']}), p99 {add99:.3f} ms"
+                    f" (goal <= {GOALS['add_p99_ms']}), loop lag p99 goal <= {GOALS['lag_p99_ms']} ms"
+                    f"  {'OK' if ok else 'MISSED'}"
+                )
+                if not ok and tagged:
+                    failures.append(name)
+            else:
+                ratio = p["rps"] / d["rps"]
+                ok = ratio >= GOALS["ratio"]
+                print(
+                    f"  throughput proxy/direct: {ratio:.3f} (goal >= {GOALS['ratio']})"
                     f"  {'OK' if ok else 'MISSED'}"
                 )
                 if not ok:
                     failures.append(name)
-            else:
-                ratio = p["rps"] / d["rps"]
-                print(
-                    f"  throughput proxy/direct: {ratio:.3f} (goal >= 0.9)"
-                    f"  {'OK' if ratio >= 0.9 else 'MISSED'}"
-                )
-                if ratio < 0.9:
-                    failures.append(name)
-            per_k = cpu / max(forwarded, 1) * 1000
+            per_k = cpu_k[name] = cpu / max(forwarded, 1) * 1000
             print(f"  proxy CPU: {cpu:.2f} s for {forwarded} requests = {per_k:.3f} CPU-s per 1,000 requests")
+            if tagged:
+                ok200 = codes.get(200, 0)
+                reward_p99 = (
+                    sorted(reward_s)[int(0.99 * (len(reward_s) - 1))] * 1000 if reward_s else float("nan")
+                )
+                print(f"  rewards posted {sum(codes.values())}: {codes} (p99 {reward_p99:.1f} ms)")
+                if ok200 != sum(codes.values()) or not ok200:
+                    failures.append(name + " rewards")
+            if poll_line:
+                print(f"  {poll_line}")
             same = rows == forwarded and p["non2xx"] == 0
             print(
                 f"  rows stored {rows} == requests forwarded {forwarded} (wrk completed {p['requests']}):"
@@ -522,9 +791,30 @@ def main() -> int:
             if not same:
                 failures.append(name + " rows")
         print(f"\n## overall proxy CPU: {total_cpu / max(total_req, 1) * 1000:.3f} CPU-s per 1,000 requests")
+        base = cpu_k.get("tagged c=64 delay=50ms")
+        if base is not None:
+            ok = base <= GOALS["cpu_k"]
+            print(
+                f"  tagged chat non-stream: {base:.3f} CPU-s per 1,000 (goal <= {GOALS['cpu_k']})"
+                f" {'OK' if ok else 'MISSED'}"
+            )
+            if not ok:
+                failures.append("cpu per 1,000")
+            for name in ("tagged c=64 delay=50ms stream", "responses: tagged c=64 delay=50ms stream"):
+                if name in cpu_k:
+                    x = cpu_k[name] / base
+                    ok = x <= GOALS["stream_x"]
+                    print(
+                        f"  {name}: {x:.2f}x non-stream CPU (goal <= {GOALS['stream_x']})"
+                        f" {'OK' if ok else 'MISSED'}"
+                    )
+                    if not ok:
+                        failures.append(name + " cpu")
         print("RESULT:", "all goals met" if not failures else "missed: " + ", ".join(failures))
         return 1 if failures else 0
     finally:
+        if rewarder is not None:
+            rewarder.close()
         if proxy is not None:
             proxy.stop()
         stub.terminate()

@@ -16,6 +16,7 @@ import gc
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -26,6 +27,13 @@ from rlproxy.proxy.inflight import InFlight
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies
 from rlproxy.settings import Settings
+
+if TYPE_CHECKING:  # the lifespan imports these when it starts (they pull in the drivers)
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from rlproxy.proxy.forward import Upstream
+    from rlproxy.proxy.upstreams import Upstreams
+    from rlproxy.storage.writer import Writer
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +48,9 @@ class ProxyState:
     gate: TrainGate
     metrics: Metrics = field(default_factory=Metrics)
     inflight: InFlight = field(default_factory=InFlight)
-    engine: object = None  # AsyncEngine
-    writer: object = None  # storage.writer.Writer
-    upstream: object = None  # forward.Upstream, or upstreams.Upstreams (several replicas)
+    engine: AsyncEngine = None  # type: ignore[assignment]  # set by the lifespan, before any request
+    writer: Writer = None  # type: ignore[assignment]  # likewise
+    upstream: Upstream | Upstreams = None  # type: ignore[assignment]  # one replica, or several
     # request headers never forwarded: the client's key is ours, not the upstream's (which
     # forward.Upstream sends itself: the backend's `api_key`)
     drop_headers: frozenset[bytes] = frozenset({b"authorization", b"x-api-key"})
@@ -121,6 +129,7 @@ def create_app(state: ProxyState) -> FastAPI:
                 state.metrics.attach_upstreams(upstream)
             poll = state.policies.poll(state.engine, settings.policy_poll_interval, backend)  # replicas
             tasks.append(asyncio.create_task(poll, name="rlproxy-policy-poll"))
+            tasks.append(asyncio.create_task(state.metrics.watch_loop(), name="rlproxy-loop-lag"))
             tasks.append(
                 asyncio.create_task(_expire_loop(state.engine, settings.run_expiry), name="rlproxy-expiry")
             )

@@ -9,6 +9,11 @@ serializes unrequested fields as explicit nulls, in streams too). Only those fie
 The stored `prompt_token_ids` is one list, or one list per choice when a batched /v1/completions
 gave its choices different prompts (`choice_prompts`).
 
+An upstream's answer is shape-checked before it is captured (`shape_problem`): a 200 that is not a
+JSON object, or whose choices, messages, tool calls, token ids or logprobs are not what the OpenAI
+shape says, is refused by the route (502, stored as an error); token counts are coerced to
+integers or dropped (`records.as_count`). The stream assembler skips what it cannot read.
+
 Streams are assembled chunk by chunk into the non-streaming shape for the store (text, tool-call
 deltas, token ids, logprobs, finish reason, usage), while the chunks themselves go on to the client.
 """
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlproxy.storage.records import Endpoint
+from rlproxy.storage.records import Endpoint, as_count
 
 CHAT = Endpoint.CHAT  # a module global: compared on every stream chunk
 
@@ -100,6 +105,70 @@ def choice_prompts(top: list | None, per_choice: list[list | None]) -> list | No
     return list(per_choice)
 
 
+def _ints(value: object) -> bool:
+    return value is None or (isinstance(value, list) and all(type(t) is int for t in value))
+
+
+def shape_problem(resp: object, endpoint: str) -> str | None:
+    """What makes `resp` (a parsed 200 body) no completion of `endpoint`'s shape, or None.
+
+    Checked: an object with a `choices` list of objects; chat choices' `message` an object whose
+    `content` is text or null and `tool_calls` a list of objects with a `function` object; text
+    completions' `text` a string; `token_ids`/`prompt_token_ids` lists of integers; `logprobs` an
+    object (chat: `content` a list of objects); `usage` an object. Counts are coerced elsewhere.
+    """
+    if not isinstance(resp, dict):
+        return "the body is not a JSON object"
+    choices = resp.get("choices")
+    if not isinstance(choices, list):
+        return "choices is not a list"
+    if not _ints(resp.get("prompt_token_ids")):
+        return "prompt_token_ids is not a list of integers"
+    usage = resp.get("usage")
+    if usage is not None and not isinstance(usage, dict):
+        return "usage is not an object"
+    for i, c in enumerate(choices):
+        if not isinstance(c, dict):
+            return f"choices[{i}] is not an object"
+        if not _ints(c.get("token_ids")):
+            return f"choices[{i}].token_ids is not a list of integers"
+        if not _ints(c.get("prompt_token_ids")):
+            return f"choices[{i}].prompt_token_ids is not a list of integers"
+        lp = c.get("logprobs")
+        if lp is not None and not isinstance(lp, dict):
+            return f"choices[{i}].logprobs is not an object"
+        if endpoint == CHAT:
+            msg = c.get("message")
+            if not isinstance(msg, dict):
+                return f"choices[{i}].message is not an object"
+            if msg.get("content") is not None and not isinstance(msg["content"], str):
+                return f"choices[{i}].message.content is not a string"
+            calls = msg.get("tool_calls")
+            if calls is not None:
+                if not isinstance(calls, list):
+                    return f"choices[{i}].message.tool_calls is not a list"
+                for j, tc in enumerate(calls):
+                    if not isinstance(tc, dict) or not isinstance(tc.get("function", {}), dict):
+                        return f"choices[{i}].message.tool_calls[{j}] is not a tool call object"
+            content = lp.get("content") if lp else None
+            if content is not None and not (
+                isinstance(content, list) and all(isinstance(e, dict) for e in content)
+            ):
+                return f"choices[{i}].logprobs.content is not a list of objects"
+        elif c.get("text") is not None and not isinstance(c["text"], str):
+            return f"choices[{i}].text is not a string"
+    return None
+
+
+def coerce_usage(resp: dict) -> None:
+    """Token counts of `resp["usage"]` as integers, or None where they are not numbers (in place)."""
+    usage = resp.get("usage")
+    if isinstance(usage, dict):
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            if k in usage and type(usage[k]) is not int:
+                usage[k] = as_count(usage[k])
+
+
 def from_response(resp: dict, endpoint: str, inj: Injected) -> Captured:
     """Capture a non-streaming response, then strip it for the client (in place: it is also stored)."""
     choices = resp.get("choices") or []
@@ -112,8 +181,8 @@ def from_response(resp: dict, endpoint: str, inj: Injected) -> Captured:
     )
     usage = resp.get("usage")
     if isinstance(usage, dict):
-        cap.prompt_tokens = usage.get("prompt_tokens")
-        cap.completion_tokens = usage.get("completion_tokens")
+        cap.prompt_tokens = as_count(usage.get("prompt_tokens"))
+        cap.completion_tokens = as_count(usage.get("completion_tokens"))
     if inj.any:
         strip(resp, inj)
     cap.response = resp
@@ -146,56 +215,109 @@ class StreamAssembler:
         self.prompt_token_ids: list | None = None
         self.usage: dict | None = None
         self.got_token = False  # a chunk carrying generated text or tokens arrived (for ttft)
+        self.malformed = False  # a part of a chunk was not of the OpenAI shape (skipped)
+        self._chat = endpoint == CHAT
+        self._keep_entries = not inj.logprobs  # the client asked for logprobs: rebuild them
 
     def feed(self, chunk: dict) -> None:
-        """Fold one parsed `data:` chunk in (before it is stripped for the client)."""
+        """Fold one parsed `data:` chunk in (before it is stripped for the client).
+
+        Runs for every token of every stream: local lookups, one `get` per field, and nothing kept
+        that the result will not use (the client's own logprob entries only when it asked).
+        """
+        get = chunk.get
         if not self.head:
-            self.head = {k: chunk.get(k) for k in ("id", "created", "model", "system_fingerprint")}
-        if chunk.get("prompt_token_ids") is not None:
-            self.prompt_token_ids = chunk["prompt_token_ids"]
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for c in chunk.get("choices") or ():
-            idx = c.get("index", 0)
+            self.head = {k: get(k) for k in ("id", "created", "model", "system_fingerprint")}
+        p = get("prompt_token_ids")
+        if p is not None and _ints(p):
+            self.prompt_token_ids = p
+        usage = get("usage")
+        if usage:
+            if type(usage) is dict:
+                self.usage = usage
+        choices = get("choices")
+        if not choices:
+            return
+        if type(choices) is not list:
+            self.malformed = True
+            return
+        chat = self._chat
+        for c in choices:
+            if type(c) is not dict:  # not a choice: nothing of it can be kept
+                self.malformed = True
+                continue
+            cg = c.get
+            idx = cg("index", 0)
+            if type(idx) is not int:
+                idx = 0
             ch = self.choices.get(idx)
             if ch is None:
                 ch = self.choices[idx] = _Choice(idx)
-            if c.get("prompt_token_ids") is not None and ch.prompt_token_ids is None:
-                ch.prompt_token_ids = c["prompt_token_ids"]
-            ids = c.get("token_ids")
+            p = cg("prompt_token_ids")
+            if p is not None and ch.prompt_token_ids is None and _ints(p):
+                ch.prompt_token_ids = p
+            ids = cg("token_ids")
             if ids:
-                ch.token_ids.extend(ids)
-                self.got_token = True
-            lp = c.get("logprobs")
-            if lp:
-                if self.endpoint == CHAT:
-                    entries = lp.get("content") or ()
-                    ch.logprobs.extend(e.get("logprob") for e in entries)
-                    ch.logprob_entries.extend(entries)
+                if _ints(ids):
+                    ch.token_ids.extend(ids)
+                    self.got_token = True
                 else:
-                    ch.logprobs.extend(lp.get("token_logprobs") or ())
-                    ch.logprob_entries.append(lp)
-            if c.get("finish_reason") is not None:
-                ch.finish_reason = c["finish_reason"]
-            if c.get("stop_reason") is not None:
-                ch.stop_reason = c["stop_reason"]
-            if self.endpoint == CHAT:
-                self._delta(ch, c.get("delta") or {})
-            elif c.get("text"):
-                ch.text.append(c["text"])
-                self.got_token = True
+                    self.malformed = True
+            lp = cg("logprobs")
+            if lp and type(lp) is dict:
+                if chat:
+                    for e in lp.get("content") or ():
+                        if type(e) is dict:
+                            ch.logprobs.append(e.get("logprob"))
+                            if self._keep_entries:
+                                ch.logprob_entries.append(e)
+                else:
+                    tl = lp.get("token_logprobs")
+                    if type(tl) is list:
+                        ch.logprobs.extend(tl)
+                    if self._keep_entries:
+                        ch.logprob_entries.append(lp)
+            fr = cg("finish_reason")
+            if fr is not None:
+                ch.finish_reason = fr
+            sr = cg("stop_reason")
+            if sr is not None:
+                ch.stop_reason = sr
+            if chat:
+                delta = cg("delta")
+                if delta:
+                    if type(delta) is dict:
+                        self._delta(ch, delta)
+                    else:
+                        self.malformed = True
+            else:
+                text = cg("text")
+                if text:
+                    ch.text.append(str(text))
+                    self.got_token = True
 
     def _delta(self, ch: _Choice, delta: dict) -> None:
-        if delta.get("role"):
-            ch.role = delta["role"]
-        if delta.get("content"):
-            ch.text.append(delta["content"])
+        get = delta.get
+        role = get("role")
+        if role:
+            ch.role = str(role)
+        content = get("content")
+        if content:
+            ch.text.append(content if type(content) is str else str(content))
             self.got_token = True
-        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        reasoning = get("reasoning") or get("reasoning_content")
         if reasoning:
-            ch.reasoning.append(reasoning)
-        for tc in delta.get("tool_calls") or ():
+            ch.reasoning.append(str(reasoning))
+        calls = get("tool_calls")
+        if not calls:
+            return
+        for tc in calls if isinstance(calls, list) else ():
+            if not isinstance(tc, dict):
+                self.malformed = True
+                continue
             i = tc.get("index", 0)
+            if type(i) is not int:
+                i = 0
             slot = ch.tool_calls.get(i)
             if slot is None:
                 slot = ch.tool_calls[i] = {
@@ -208,10 +330,13 @@ class StreamAssembler:
             if tc.get("type"):
                 slot["type"] = tc["type"]
             fn = tc.get("function") or {}
+            if not isinstance(fn, dict):
+                self.malformed = True
+                continue
             if fn.get("name"):
-                slot["function"]["name"] += fn["name"]
+                slot["function"]["name"] += str(fn["name"])
             if fn.get("arguments"):
-                slot["function"]["arguments"] += fn["arguments"]
+                slot["function"]["arguments"] += str(fn["arguments"])
             self.got_token = True
 
     def result(self) -> Captured:
@@ -259,8 +384,8 @@ class StreamAssembler:
             finish_reason=choices[0].finish_reason if choices else None,
         )
         if self.usage:
-            cap.prompt_tokens = self.usage.get("prompt_tokens")
-            cap.completion_tokens = self.usage.get("completion_tokens")
+            cap.prompt_tokens = as_count(self.usage.get("prompt_tokens"))
+            cap.completion_tokens = as_count(self.usage.get("completion_tokens"))
         else:  # no usage chunk unless the client asked for one: count the captured tokens
             cap.prompt_tokens = _count_prompt_tokens(prompt_ids)
             cap.completion_tokens = sum(len(ch.token_ids) for ch in choices) if choices else None

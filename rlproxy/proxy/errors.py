@@ -8,6 +8,10 @@ on a retryable one): backend unreachable 502, backend timeout 504, unknown run 4
 reward 409, store busy 503, anything else of ours 500. FastAPI's own validation and routing
 errors are re-rendered in the same shape so a client's OpenAI SDK can always parse what it gets.
 
+The upstream's address never reaches a client: a 502/504 about the model server (unreachable,
+timed out, broke off, redirected, malformed) says what happened in words of its own
+(`public_message`); the log gets the whole message, URL included.
+
 A 500 tells the client nothing about the failure (no exception text, no traceback, no SQL): it
 gets a generic message with an error id, and the log gets the id with the whole traceback. A
 client that went away mid-request is logged quietly and answered nothing.
@@ -26,7 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from rlproxy.errors import APIError, RLProxyError
+from rlproxy.errors import (
+    APIError,
+    BackendRedirect,
+    BackendTimeout,
+    BackendUnavailable,
+    RLProxyError,
+)
 from rlproxy.proxy.validate import ClientGone
 
 logger = logging.getLogger(__name__)
@@ -66,13 +76,33 @@ async def send_json(send, status: int, body: bytes, headers: tuple = ()) -> None
     await send({"type": "http.response.body", "body": body})
 
 
+# What a client is told about a model-server failure (the detail, with the URL, goes to the log).
+_PUBLIC = (
+    (BackendTimeout, "The model server did not answer in time."),
+    (BackendRedirect, "The model server answered with a redirect, which the proxy does not follow."),
+    (BackendUnavailable, "The model server is unavailable or broke off its answer; retry later."),
+)
+MALFORMED = "The model server sent an answer that is not a valid completion."
+
+
+def public_message(exc: BaseException) -> str:
+    """The client-facing text of `exc`: its own unless it is about the upstream (then generic)."""
+    for cls, text in _PUBLIC:
+        if isinstance(exc, cls):
+            return text
+    return str(exc) or type(exc).__name__
+
+
 def render(exc: APIError | RLProxyError) -> Response:
     """The response for any exception we raise on purpose: its class says status, type and code."""
     if isinstance(exc, APIError):
         return Response(orjson.dumps(exc.body()), status_code=exc.status, media_type=_JSON)
     if exc.status == 500:
         return internal_error(exc, "a request")
-    response = error_response(exc.status, str(exc) or type(exc).__name__, type=exc.type, code=exc.code)
+    message = public_message(exc)
+    if message != str(exc):
+        logger.warning("%s (%d to the client: %s)", exc, exc.status, message)
+    response = error_response(exc.status, message, type=exc.type, code=exc.code)
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
         response.headers["retry-after"] = str(max(1, math.ceil(retry_after)))
@@ -96,7 +126,7 @@ def install(app: FastAPI) -> None:
 
     async def on_domain_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RLProxyError)
-        if exc.status > 500:
+        if exc.status > 500 and public_message(exc) == str(exc):  # else render() logs it
             logger.warning("%s %s failed: %s", request.method, request.url.path, exc)
         return render(exc)
 

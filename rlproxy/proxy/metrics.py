@@ -3,15 +3,24 @@
 Requests and errors by endpoint and outcome, latency and time-to-first-token histograms, and the
 writer's own figures read at scrape time: rows captured, write errors, dropped records, queue depth
 and bytes, how long the store has been stalled (and whether that makes it unhealthy), the crash
-journal's size and the records it could not take. The judge's calls (trainer/judge.py): count by
+journal's size and the records it could not take. The event loop's lag (`rlproxy_event_loop_lag_seconds`):
+how late a timer set every `LAG_INTERVAL_S` fires, i.e. how long any ready request waited for the
+loop at that moment; a stall (blocking work on the loop, a long garbage collection) shows in its
+upper buckets. The judge's calls (trainer/judge.py): count by
 outcome (ok, malformed, error), latency, tokens (its cost), and groups scored or failed.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+# The lag sampler's period: 100 wake-ups a second (~0.2% of a core); a stall of any length that
+# overlaps a wake-up is seen whole.
+LAG_INTERVAL_S = 0.01
+_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -166,6 +175,12 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "rlproxy_event_loop_lag_seconds",
+            f"how late a timer due every {LAG_INTERVAL_S:g} s fires: what a ready request waits for the loop",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
         self._writer = _WriterCollector()
         r.register(self._writer)
         self._children: dict = {}
@@ -208,6 +223,15 @@ class Metrics:
     def judge_group(self, outcome: str) -> None:
         """Count one group the judge finished: scored or failed."""
         self.judge_groups.labels(outcome).inc()
+
+    async def watch_loop(self, interval: float = LAG_INTERVAL_S) -> None:
+        """Forever: sample the running loop's lag into `loop_lag` (a lifespan task)."""
+        loop = asyncio.get_running_loop()
+        observe = self.loop_lag.observe
+        while True:
+            due = loop.time() + interval
+            await asyncio.sleep(interval)
+            observe(max(0.0, loop.time() - due))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

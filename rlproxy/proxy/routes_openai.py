@@ -11,6 +11,12 @@ untouched, except the engine-management routes (`ENGINE_ONLY`, 403) and upstream
 never relayed). A hot route with a trailing slash (`/v1/chat/completions/`) is captured like the
 plain one. The composition root (`rlproxy/compose.py`) puts `HotPath` in front of FastAPI.
 
+What the upstream answers is checked before it is relayed or captured: a redirect is refused (502,
+as on the pass-through: it would name the engine's address), and a 200 that is not a completion of
+the OpenAI shape (`capture.shape_problem`; or one the Responses translation cannot read) is a 502
+in OpenAI's shape, stored as an error row with the reason. No client-facing error names the
+upstream (`errors.public_message`); the stored row and the log keep the detail.
+
 `POST /v1/responses` is a hot route too: the proxy serves the Responses API itself over the
 upstream's chat completions (`proxy/responses.py`): the body is translated to the chat body that is
 forwarded, captured and stored as `request`, and the chat answer is translated back for the client.
@@ -28,7 +34,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from rlproxy.errors import APIError, RLProxyError
+from rlproxy.errors import APIError, BackendRedirect, RLProxyError
 from rlproxy.proxy import capture, errors, forward, messages, responses, runkey, validate
 from rlproxy.proxy.stream import StreamRelay
 from rlproxy.storage.records import CompletionRecord, Endpoint
@@ -164,7 +170,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     except RLProxyError as exc:
         rec.status = "error"
         rec.status_code = exc.status
-        rec.error = str(exc)
+        rec.error = str(exc)  # the detail (the upstream's URL too) stays in the store and the log
         rec.latency_ms = (time.perf_counter() - started) * 1000.0
         px.writer.submit(rec)
         px.metrics.observe(endpoint, f"upstream_{rec.status_code}", rec.latency_ms / 1000.0)
@@ -179,20 +185,32 @@ def _answer(
 ) -> Response:
     """A non-streaming answer: capture, strip, submit, respond (a Responses call: translated back)."""
     content = resp.content
+    if 300 <= resp.status_code < 400:  # never relayed: its Location names the engine's address
+        raise BackendRedirect(f"the upstream answered with a redirect ({resp.status_code}); not followed")
     rec.status_code = resp.status_code
     parsed = None
     try:
         parsed = orjson.loads(content)
     except orjson.JSONDecodeError:
         pass
-    if resp.status_code == 200 and isinstance(parsed, dict):
-        cap = capture.from_response(parsed, Endpoint.CHAT if call is not None else rec.endpoint, inj)
-        if call is not None:
-            rec.client_response = call.answer(parsed)
-            rec.response_id = call.response_id if call.store else None
-            content = orjson.dumps(rec.client_response)
-        elif inj.any:
-            content = orjson.dumps(parsed)
+    if resp.status_code == 200:
+        endpoint = Endpoint.CHAT if call is not None else rec.endpoint
+        problem = capture.shape_problem(parsed, endpoint)
+        if problem is None:
+            try:
+                capture.coerce_usage(parsed)
+                cap = capture.from_response(parsed, endpoint, inj)
+                if call is not None:
+                    rec.client_response = call.answer(parsed)
+                    rec.response_id = call.response_id if call.store else None
+                    content = orjson.dumps(rec.client_response)
+                elif inj.any:
+                    content = orjson.dumps(parsed)
+            except Exception as exc:  # a shape the checks let through but capture cannot read
+                logger.warning("upstream answer could not be captured: %r", exc)
+                problem = f"the answer could not be read ({type(exc).__name__})"
+        if problem is not None:
+            return _malformed(px, rec, started, parsed, content, problem, step_header)
         _fill(rec, cap)
         rec.status = "ok"
         outcome = "ok"
@@ -228,6 +246,25 @@ async def _unclamped(px, resp, rec: CompletionRecord, upstream_body: dict, heade
     return await px.upstream.post(
         _UPSTREAM_PATHS[Endpoint.MESSAGES], headers, orjson.dumps(upstream_body), b"", stream, run_id
     )
+
+
+def _malformed(
+    px, rec: CompletionRecord, started: float, parsed, content: bytes, problem: str, step_header
+) -> Response:
+    """A 200 that is no completion: 502 in OpenAI's shape; stored as an error row with the reason."""
+    rec.status = "error"
+    rec.status_code = 502
+    rec.response = parsed if isinstance(parsed, dict) else None
+    rec.client_response = None
+    rec.response_id = None
+    rec.error = f"malformed upstream answer: {problem}; body: {content[:2000].decode('utf-8', 'replace')}"
+    rec.latency_ms = (time.perf_counter() - started) * 1000.0
+    px.writer.submit(rec)
+    px.metrics.observe(rec.endpoint, "upstream_malformed", rec.latency_ms / 1000.0)
+    logger.warning("malformed upstream answer (run %s): %s", rec.run_id, problem)
+    response = errors.error_response(502, errors.MALFORMED, code="upstream_malformed")
+    response.raw_headers.append(step_header)
+    return response
 
 
 def _fill(rec: CompletionRecord, cap: capture.Captured) -> None:

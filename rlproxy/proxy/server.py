@@ -12,8 +12,9 @@ in. `LimitedHttpToolsProtocol` keeps httptools' speed and adds, per connection:
 - idle: a new connection that sends nothing is closed after `keep_alive_timeout`, as uvicorn already
   does between requests;
 - connection cap: a request on a connection beyond `max_connections`: 503 + Retry-After, close;
-- a response sent before its request's body was read whole (413, 401, ...) closes the connection
-  instead of reading the rest of the body;
+- a response sent before its request's body was read whole (413, 401, 400, ...) closes the
+  connection instead of reading the rest of the body, and says so (`Connection: close`), as every
+  500 does (uvicorn closes the connection after an application error);
 - the access log goes to the `rlproxy.access` logger, which no other uvicorn server in the process
   can switch off (the embedded engine's uvicorn.Config resets the global `uvicorn.access` one).
 
@@ -164,6 +165,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             )
             raise _Refused()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.send = _closing_send(cycle, cycle.send)
         if not self.pipeline:  # a queued (pipelined) request is not read until its turn: no deadline
             self._arm(self.limits.body_timeout, self._body_late)
 
@@ -248,6 +252,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             ]
         )
         self.transport.write(b"".join(content))
+
+
+def _closing_send(cycle: Any, send: Any) -> Any:
+    """`send` that says `Connection: close` on a response the connection will not outlive: one
+    sent before its request's body was read whole (400, 401, 413: the rest is not read, the
+    connection is closed, see on_response_complete), and every 500 (uvicorn closes the connection
+    after an application error). A pooled client then opens a new connection for its next request
+    instead of writing into one that is closing (ECONNRESET)."""
+
+    async def closing_send(message: Any) -> None:
+        if message["type"] == "http.response.start" and (cycle.more_body or message["status"] == 500):
+            cycle.keep_alive = False  # uvicorn then writes `connection: close` and closes after it
+        await send(message)
+
+    return closing_send
 
 
 def _peer(client: tuple[str, int] | None) -> str:

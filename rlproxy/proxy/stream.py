@@ -33,6 +33,7 @@ from starlette.responses import Response
 from rlproxy.errors import BackendError
 from rlproxy.proxy import http11
 from rlproxy.proxy.capture import Injected, StreamAssembler, strip
+from rlproxy.proxy.errors import public_message
 
 if TYPE_CHECKING:
     from rlproxy.proxy.responses import EventStream
@@ -74,6 +75,8 @@ class StreamRelay(Response):
         if self._reported:
             return
         self._reported = True
+        if status == "ok" and self.error is None and self.assembler.malformed:
+            self.error = "the upstream's stream had chunks not of the OpenAI shape (skipped)"
         if status == "ok" and self.error is not None:
             status = "error"
         self.done(status, self.error, self.ttft, code)
@@ -117,13 +120,14 @@ class StreamRelay(Response):
             status, code = "error", exc.status
             self.error = f"upstream stream broke: {exc}"
             logger.warning("%s", self.error)
-            if self.translate is not None:  # the Responses API ends a broken stream with response.failed
-                body = self.translate.fail(self.error)
-                self._report(status, code)
-                try:
-                    await send({"type": "http.response.body", "body": body, "more_body": False})
-                except OSError:
-                    pass
+            await self._fail(send, status, code, public_message(exc))
+        except Exception as exc:  # a chunk the relay could not handle: stored as an error, never ok
+            status, code = "error", 502
+            self.error = f"the stream could not be relayed: {type(exc).__name__}: {exc}"[:2000]
+            logger.warning("%s", self.error, exc_info=exc)
+            await self._fail(
+                send, status, code, "The model server sent a stream that is not a valid completion."
+            )
         except OSError:  # the server noticed the client's disconnect on write first
             status, code = "cancelled", 499
         finally:
@@ -131,6 +135,18 @@ class StreamRelay(Response):
             watcher.cancel()
             self.upstream.close()  # a cut stream closes the upstream connection: the upstream aborts
             self._report(status, code)
+
+    async def _fail(self, send, status: str, code: int, message: str) -> None:
+        """End a broken stream: the Responses API says response.failed (with `message`, which never
+        names the upstream); a chat stream is cut (no final chunk: the client can tell)."""
+        if self.translate is None:
+            return
+        body = self.translate.fail(message)
+        self._report(status, code)
+        try:
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        except OSError:
+            pass
 
     async def _relay(self, send) -> None:
         """Relay until the upstream's body ends; the last write also ends the response (one syscall)."""
@@ -167,35 +183,49 @@ class StreamRelay(Response):
 
     def _event(self, event: bytes, rewrite: bool) -> bytes:
         """Fold one SSE event into the assembler; the bytes to send for it (when rewriting)."""
+        if event.startswith(b"data: {") and b"\n" not in event:  # vLLM's every event: one data line
+            return self._data(event, 0, [event], rewrite)
         lines = event.split(b"\n")
         translated = b""
         for i, line in enumerate(lines):
             if not line.startswith(b"data:"):
                 continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]" or not payload:
-                continue
-            try:
-                chunk = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(chunk, dict):
-                continue
-            if "error" in chunk and not chunk.get("choices"):
-                self.error = str(chunk["error"])
-            self.assembler.feed(chunk)
-            if self.ttft is None and self.assembler.got_token:
-                self.ttft = time.perf_counter() - self.started
+            out = self._data(line, i, lines, rewrite)
             if self.translate is not None:
-                translated += self.translate.chunk(chunk)
-            elif rewrite:
-                strip(chunk, self.inj)
-                if _empty(chunk):
-                    return b""
-                lines[i] = b"data: " + orjson.dumps(chunk)
+                translated += out
+            elif rewrite and out == b"":
+                return b""
         if self.translate is not None:
             return translated
         return b"\n".join(lines) + b"\n\n" if rewrite else b""
+
+    def _data(self, line: bytes, i: int, lines: list[bytes], rewrite: bool) -> bytes:
+        """One `data:` line: folded in, and (rewriting) `lines[i]` replaced. What the one-line
+        fast path sends; the general path reads only the translation's and an empty chunk's b""."""
+        payload = line[5:].strip()
+        if payload == b"[DONE]" or not payload:
+            return b"\n".join(lines) + b"\n\n" if rewrite and self.translate is None else b""
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            chunk = None
+        if type(chunk) is not dict:
+            return b"\n".join(lines) + b"\n\n" if rewrite and self.translate is None else b""
+        if "error" in chunk and not chunk.get("choices"):
+            self.error = str(chunk["error"])
+        assembler = self.assembler
+        assembler.feed(chunk)
+        if self.ttft is None and assembler.got_token:
+            self.ttft = time.perf_counter() - self.started
+        if self.translate is not None:
+            return self.translate.chunk(chunk)
+        if not rewrite:
+            return b""
+        strip(chunk, self.inj)
+        if _empty(chunk):
+            return b""
+        lines[i] = b"data: " + orjson.dumps(chunk)
+        return b"\n".join(lines) + b"\n\n"
 
 
 def _empty(chunk: dict) -> bool:

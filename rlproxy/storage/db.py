@@ -18,6 +18,7 @@ import logging
 import os
 import sqlite3
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -153,6 +154,34 @@ def create_engine(
     fails with "database is locked". `statement_timeout_s`: statements running longer fail (for
     users' ad-hoc queries). Extra keyword arguments go to `create_async_engine`.
     """
+    engine = _create_engine(url, readonly, busy_timeout_ms, statement_timeout_s, dict(kwargs))
+    _ORIGIN[engine.sync_engine] = (url, readonly, busy_timeout_ms, statement_timeout_s, kwargs)
+    return engine
+
+
+# How each engine of create_engine was made (clone_engine makes the same one for another loop).
+_ORIGIN: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
+
+
+def clone_engine(engine: AsyncEngine) -> AsyncEngine:
+    """A new engine like `engine` (same URL and connection settings), for another event loop: an
+    engine's connections belong to the loop that opened them (the writer's thread has its own)."""
+    origin = _ORIGIN.get(engine.sync_engine)
+    if origin is None:
+        return create_engine(engine.url.render_as_string(hide_password=False))
+    url, readonly, busy_timeout_ms, statement_timeout_s, kwargs = origin
+    return create_engine(
+        url,
+        readonly=readonly,
+        busy_timeout_ms=busy_timeout_ms,
+        statement_timeout_s=statement_timeout_s,
+        **kwargs,
+    )
+
+
+def _create_engine(
+    url: str, readonly: bool, busy_timeout_ms: int, statement_timeout_s: float | None, kwargs: dict[str, Any]
+) -> AsyncEngine:
     url = normalize_url(url)
     u = make_url(url)
     kwargs.setdefault("json_serializer", _json_dumps)

@@ -6,6 +6,8 @@ rows (it assigns `seq` and creates the run). Field names match the `completions`
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -82,3 +84,52 @@ COMPLETION_FIELDS: tuple[str, ...] = (
     "client_request",
     "client_response",
 )
+
+
+# The record fields stored as JSON, and those stored as 64-bit integer columns.
+JSON_FIELDS = (
+    "request",
+    "response",
+    "prompt_token_ids",
+    "token_ids",
+    "logprobs",
+    "client_request",
+    "client_response",
+)
+INT_FIELDS = ("policy_step", "status_code", "prompt_tokens", "completion_tokens")
+_INT64 = 1 << 63
+
+
+def as_count(value: Any) -> int | None:
+    """A token count as an integer column can hold it: an int (or an integral float or numeric
+    string) within 64 bits, else None (an upstream's garbage is dropped, not stored)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    return value if isinstance(value, int) and -_INT64 <= value < _INT64 else None
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON can hold it: strings' lone surrogates replaced, unknown objects as repr."""
+    text = json.dumps(value, default=repr, skipkeys=True, ensure_ascii=False)
+    return json.loads(text.encode("utf-8", "replace").decode("utf-8"))
+
+
+def storable(rec: CompletionRecord, reason: str) -> CompletionRecord:
+    """A copy of `rec` the store can hold (its JSON fields made plain, its counts integers or
+    None, its text fields UTF-8), marked with `reason` in `error`; used when `rec` itself cannot
+    be serialized, so that one bad record is kept (as an error) instead of failing its batch."""
+    changes: dict[str, Any] = {f: _plain(getattr(rec, f)) for f in JSON_FIELDS}
+    changes.update({f: as_count(getattr(rec, f)) for f in INT_FIELDS})
+    for f in ("run_id", "group_id", "default_group", "split", "policy", "adapter", "finish_reason", "error"):
+        v = getattr(rec, f)
+        if v is not None:
+            changes[f] = str(v).encode("utf-8", "replace").decode("utf-8")
+    if not isinstance(rec.created_at, datetime):
+        changes["created_at"] = None  # the writer's now()
+    note = f"stored sanitized: {reason}"
+    changes["error"] = f"{changes.get('error')}; {note}" if changes.get("error") else note
+    return dataclasses.replace(rec, **changes)

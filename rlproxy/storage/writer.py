@@ -37,6 +37,15 @@ each (`completions.capture_id` is unique). An OS crash or power cut can lose wha
 not yet written to disk: the journal's last seconds, and with SQLite's synchronous=NORMAL the last
 commits. A reward is acknowledged (HTTP 200) only after it and its run's completions are committed.
 
+Off the event loop: the SQL runs on the writer's own thread, with its own event loop and its own
+engine (`db.clone_engine`: connections belong to the loop that opened them). Building statements,
+serializing rows, SQLAlchemy's result handling and the commits took ~5 ms of Python per batch on
+the serving loop (profiled: docs/performance.md), which every request then waited behind; now the
+loop only journals and enqueues (`submit`), and settles what the thread reports back (counters,
+journal segments, reward futures), so all bookkeeping stays on the caller's loop and the thread
+touches only the connection. An in-memory SQLite database (one connection's, so one loop's) is
+written on the caller's loop as before (`thread=False`).
+
 The SQL of a transaction (new runs, completions and their `seq`, rewards) is in `rows.py`. This
 file stays over 400 lines because the queue, its bounds, the retry-and-split and the journal
 bookkeeping all act on the same queue and counters: apart, they would share private state.
@@ -45,10 +54,14 @@ bookkeeping all act on the same queue and counters: apart, they would share priv
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import logging
 import math
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -57,10 +70,10 @@ from sqlalchemy import exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from rlproxy.errors import StorageError
-from rlproxy.storage.db import connect_write
+from rlproxy.storage.db import clone_engine, connect_write, is_sqlite, sqlite_path
 from rlproxy.storage.errors import RunNotFound, StoreUnavailable
 from rlproxy.storage.journal import Journal, Segment, encode
-from rlproxy.storage.records import CompletionRecord
+from rlproxy.storage.records import CompletionRecord, storable
 from rlproxy.storage.rows import (
     apply_reward,
     ensure_runs,
@@ -84,13 +97,14 @@ PEER_RETRY_S = 0.05
 class _Item:
     """A queued completion: the record, its serialized size, its journal segment."""
 
-    __slots__ = ("rec", "size", "seg", "replayed")
+    __slots__ = ("rec", "size", "seg", "replayed", "sanitized")
 
     def __init__(self, rec: CompletionRecord, size: int, seg: Segment | None, replayed: bool) -> None:
         self.rec = rec
         self.size = size
         self.seg = seg
         self.replayed = replayed  # from the journal: may be committed already (checked by capture_id)
+        self.sanitized = False  # rec was replaced by records.storable() after the store refused it
 
 
 @dataclass
@@ -117,6 +131,10 @@ class _Stop:
 
 _Op = _Item | _Reward | _Flush | _Stop
 
+# The writer's sleep (Writer._sleep): awake, idle (any operation wakes it), or gathering a batch for
+# flush_interval (an urgent operation or a full batch wakes it).
+_AWAKE, _SLEEP_IDLE, _SLEEP_BATCH = 0, 1, 2
+
 
 class Writer:
     """Batches completions and rewards into transactions on one connection (see module doc)."""
@@ -130,8 +148,15 @@ class Writer:
         max_queue: int = 10_000,
         max_queue_bytes: int = 256 << 20,
         journal: Journal | None = None,
+        thread: bool | None = None,
     ) -> None:
-        self._engine = engine
+        self._engine = engine  # the caller's; SQL goes through self._db (the thread's clone)
+        self._db = engine
+        # None: a thread of its own unless the database is in-memory SQLite (one loop's connection)
+        self._threaded = thread if thread is not None else not _in_memory(engine)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the caller's loop (bookkeeping)
+        self._wloop: asyncio.AbstractEventLoop | None = None  # the writer's loop (SQL)
+        self._thread: threading.Thread | None = None
         # Backpressure: past `max_queue` uncommitted operations or `max_queue_bytes` bytes `room()`
         # waits until the backlog is half drained, so a sustained overload slows requests to the
         # database's pace instead of growing memory (and full garbage collections over the queued
@@ -147,11 +172,17 @@ class Writer:
         self.flush_interval = flush_interval
         self.max_batch = max(1, max_batch)
         self.drain_timeout = drain_timeout  # close(): how long to keep retrying a failing database
-        self._queue: asyncio.Queue[_Op] = asyncio.Queue()
-        self._wake = asyncio.Event()
-        self._urgent = 0  # rewards and stops in the queue: flush without waiting for more
+        # The queue: a deque the caller appends to and the writer pops from (both atomic under the
+        # GIL), so a submit costs no system call; the writer is woken (one call_soon_threadsafe)
+        # only while it sleeps: idle (`_SLEEP_IDLE`: by anything) or gathering a batch
+        # (`_SLEEP_BATCH`: by an urgent operation or a full batch).
+        self._inbox: collections.deque[_Op] = collections.deque()
+        self._wake = asyncio.Event()  # the writer loop's
+        self._sleep = _AWAKE
+        self._urgent_in = 0  # rewards, flushes and stops queued (counted by the caller)...
+        self._urgent_out = 0  # ...and taken (counted by the writer): flush without waiting for more
         self._conn: AsyncConnection | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Future[None] | None = None  # the writer task (or its thread) ends
         self._closing = False
         self._closed = False
         self._close_deadline: float | None = None
@@ -186,9 +217,62 @@ class Writer:
         return max(0.0, time.monotonic() - self._progress_at)
 
     async def start(self) -> None:
-        """Start the writer task (idempotent)."""
-        if self._task is None:
+        """Start the writer task, on its own thread unless in-memory (idempotent)."""
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        if not self._threaded:
+            self._wloop = self._loop
             self._task = asyncio.create_task(self._run(), name="rlproxy-writer")
+            return
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(ready, done), name="rlproxy-writer", daemon=True
+        )
+        self._thread.start()
+        await asyncio.wrap_future(ready)
+        self._task = asyncio.wrap_future(done)
+
+    def _thread_main(
+        self, ready: concurrent.futures.Future[None], done: concurrent.futures.Future[None]
+    ) -> None:
+        """The writer thread: its own loop, its own engine, the `_run` loop until the stop marker."""
+        loop = asyncio.new_event_loop()
+
+        async def main() -> None:
+            self._wloop = loop
+            self._db = clone_engine(self._engine)
+            ready.set_result(None)
+            try:
+                await self._run()
+            finally:
+                await self._discard_conn()
+                await self._db.dispose()
+
+        try:
+            loop.run_until_complete(main())
+            done.set_result(None)
+        except BaseException as e:  # the caller's close() re-raises it
+            if not ready.done():
+                ready.set_exception(e)
+            done.set_exception(e)
+        finally:
+            loop.close()
+
+    def _to_writer(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the writer's loop (in order with every other call)."""
+        if self._wloop is None or self._wloop is self._loop:
+            fn(*args)
+        else:
+            self._wloop.call_soon_threadsafe(fn, *args)
+
+    def _to_caller(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the caller's loop (the bookkeeping's), from the writer."""
+        if self._loop is None or self._wloop is self._loop:
+            fn(*args)
+        else:
+            self._loop.call_soon_threadsafe(fn, *args)
 
     async def recover(self, timeout: float | None = None) -> int:
         """Queue the journal's records left by a dead process, then wait (up to `timeout` seconds)
@@ -224,9 +308,14 @@ class Writer:
         seg = None
         try:
             payload = encode(rec)
-        except TypeError as exc:  # the transaction will fail too; the writer counts the drop
-            log.error("writer: completion of run %s cannot be serialized: %s", rec.run_id, exc)
-            payload = b""
+        except TypeError as exc:  # the transaction would fail too: store a plain copy (an error row)
+            log.error("writer: completion of run %s cannot be serialized as is: %s", rec.run_id, exc)
+            try:
+                rec = storable(rec, f"not serializable: {exc}")
+                payload = encode(rec)
+            except (TypeError, ValueError) as exc2:  # the writer tries it alone and counts the drop
+                log.error("writer: completion of run %s cannot be made storable: %s", rec.run_id, exc2)
+                payload = b""
         if self.journal is not None and payload:
             try:
                 seg = self.journal.append(payload)
@@ -240,11 +329,16 @@ class Writer:
             self._progress_at = time.monotonic()
         self._pending += 1
         self._bytes += item.size
-        self._queue.put_nowait(item)
-        if self._queue.qsize() >= self.max_batch:
-            self._wake.set()
         if self._pending >= self.max_queue or self._bytes >= self.max_queue_bytes:
             self._room.clear()
+        self._inbox.append(item)
+        if self._sleep == _SLEEP_IDLE or (self._sleep == _SLEEP_BATCH and len(self._inbox) >= self.max_batch):
+            self._signal()
+
+    def _signal(self) -> None:
+        """Wake the writer (from the caller's loop)."""
+        self._sleep = _AWAKE
+        self._to_writer(self._wake.set)
 
     async def room(self, timeout: float | None = None) -> None:
         """Return at once unless the backlog is over `max_queue` or `max_queue_bytes`; then wait
@@ -327,7 +421,10 @@ class Writer:
                 await self._task
             finally:
                 self._task = None
-        if self._conn is not None:
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+            self._thread = None
+        elif self._conn is not None:
             await self._discard_conn()
         if self.journal is not None:
             self.journal.close()
@@ -345,50 +442,72 @@ class Writer:
         if self._pending == 0:
             self._progress_at = time.monotonic()
         self._pending += 1
-        self._urgent += 1
-        self._queue.put_nowait(op)
-        self._wake.set()
+        self._urgent_in += 1
+        self._inbox.append(op)
+        if self._sleep != _AWAKE:
+            self._signal()
 
     async def _run(self) -> None:
+        """The writer's loop: batches, each written (retried, split) before the next is taken."""
         while True:
             batch = await self._next_batch()
             stop = isinstance(batch[-1], _Stop)
             if stop:
                 batch.pop()
-                self._pending -= 1
             if batch:
                 try:
                     await self._write_with_retry(batch)
                 except Exception:  # the writer must outlive any bug in a batch
                     log.exception("writer: unexpected failure; %d operations given up", len(batch))
-                    self._give_up(batch, StorageError("the writer failed"), keep=True)
-            if (self._pending <= self.max_queue // 2 and self._bytes <= self.max_queue_bytes // 2) or stop:
-                self._room.set()
+                    self._to_caller(self._give_up, batch, StorageError("the writer failed"), True)
             if stop:
+                self._to_caller(self._stopped)
                 return
 
+    def _stopped(self) -> None:
+        self._pending -= 1  # the stop marker
+        self._room.set()
+
+    def _check_room(self) -> None:
+        if self._pending <= self.max_queue // 2 and self._bytes <= self.max_queue_bytes // 2:
+            self._room.set()
+
     async def _next_batch(self) -> list[_Op]:
-        first = await self._queue.get()
-        if not isinstance(first, _Item):
-            self._urgent -= 1
-            return [first]
-        if self._urgent == 0 and self._queue.qsize() + 1 < self.max_batch and self.flush_interval > 0:
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.flush_interval)
-            except TimeoutError:
-                pass
-        batch: list[_Op] = [first]
-        while len(batch) < self.max_batch:
-            try:
-                op = self._queue.get_nowait()
-            except asyncio.QueueEmpty:
-                break
+        """On the writer's loop: wait for work, gather records for up to `flush_interval` unless an
+        urgent operation (reward, flush, stop) is queued, then take up to `max_batch` operations in
+        queue order (a stop ends the batch)."""
+        while not self._inbox:
+            await self._sleep_until(_SLEEP_IDLE, None)
+        if (
+            self._urgent_in == self._urgent_out
+            and len(self._inbox) < self.max_batch
+            and self.flush_interval > 0
+        ):
+            await self._sleep_until(_SLEEP_BATCH, self.flush_interval)
+        batch: list[_Op] = []
+        while self._inbox and len(batch) < self.max_batch:
+            op = self._inbox.popleft()
             batch.append(op)
             if not isinstance(op, _Item):
-                self._urgent -= 1
-                break  # a reward, flush or stop ends the batch: it must not wait for later records
+                self._urgent_out += 1
+                if isinstance(op, _Stop):
+                    break
         return batch
+
+    async def _sleep_until(self, mode: int, timeout: float | None) -> None:
+        self._wake.clear()
+        self._sleep = mode  # after the clear: a wake-up from now on is kept
+        if mode == _SLEEP_IDLE and self._inbox:  # arrived between the check and the flag
+            self._sleep = _AWAKE
+            return
+        if mode == _SLEEP_BATCH and self._urgent_in != self._urgent_out:
+            self._sleep = _AWAKE
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
+        self._sleep = _AWAKE
 
     async def _write_with_retry(self, batch: list[_Op]) -> None:
         attempt = 0
@@ -399,10 +518,22 @@ class Writer:
                 attempt += 1
                 self.write_errors += 1
                 self.last_error = f"{type(e).__name__}: {e}"[:500]
-                await self._discard_conn()
+                if not _is_permanent(e):  # refused values leave the connection usable (rolled back)
+                    await self._discard_conn()
+                repaired = False
                 if _seq_taken(e):  # rows written around runs.next_seq (a script): count on past them
-                    await self._repair(batch)
+                    repaired = await self._repair(batch)
                 transient = _is_transient(e)
+                if not transient and not repaired and len(batch) > 1:
+                    # A record (or reward) the database refuses: split at once, without backoff,
+                    # so the other operations of the batch (other tenants') commit without it.
+                    log.warning(
+                        "writer: a batch of %d operations was refused (%s); splitting it", len(batch), e
+                    )
+                    mid = len(batch) // 2
+                    await self._write_with_retry(batch[:mid])
+                    await self._write_with_retry(batch[mid:])
+                    return
                 log.warning(
                     "writer: transaction of %d operations failed (attempt %d, %s): %s",
                     len(batch),
@@ -410,46 +541,60 @@ class Writer:
                     "will retry" if transient else "permanent?",
                     e,
                 )
+                if len(batch) == 1 and _is_permanent(e):
+                    op = batch[0]
+                    if isinstance(op, _Item) and not op.sanitized:  # keep it, as an error row
+                        op.rec, op.sanitized = storable(op.rec, f"refused by the store: {e}"[:500]), True
+                        continue
+                    attempt = max(attempt, SPLIT_AFTER)  # retrying cannot change the answer
                 if not transient and attempt >= SPLIT_AFTER:
                     if len(batch) > 1:
                         for op in batch:
                             await self._write_with_retry([op])
                         return
-                    self._give_up(batch, e)
+                    self._to_caller(self._give_up, batch, e, False)
                     return
                 if self._close_deadline is not None and time.monotonic() > self._close_deadline:
-                    self._give_up(batch, e, keep=True)
+                    self._to_caller(self._give_up, batch, e, True)
                     return
                 await asyncio.sleep(min(0.05 * 2 ** (attempt - 1), MAX_BACKOFF_S))
                 continue
             self._progress_at = time.monotonic()
             self.last_error = None
-            for op, outcome in zip(batch, results, strict=True):
-                self._pending -= 1
-                if isinstance(op, _Item):
-                    self._resolved(op)
-                elif isinstance(op, _Flush) and not op.future.done():
-                    op.future.set_result(True)
-                elif isinstance(op, _Reward) and not op.future.done():
-                    if isinstance(outcome, BaseException):
-                        op.future.set_exception(outcome)
-                    else:
-                        op.future.set_result(bool(outcome))
+            self._to_caller(self._settle, batch, results)
             return
 
-    async def _repair(self, batch: list[_Op]) -> None:
-        """Move the counters of the batch's runs past their stored completions (own transaction)."""
+    def _settle(self, batch: list[_Op], results: list[Any]) -> None:
+        """On the caller's loop: a committed batch's records, barriers and rewards are done."""
+        for op, outcome in zip(batch, results, strict=True):
+            self._pending -= 1
+            if isinstance(op, _Item):
+                self._resolved(op)
+            elif isinstance(op, _Flush) and not op.future.done():
+                op.future.set_result(True)
+            elif isinstance(op, _Reward) and not op.future.done():
+                if isinstance(outcome, BaseException):
+                    op.future.set_exception(outcome)
+                else:
+                    op.future.set_result(bool(outcome))
+        self._check_room()
+
+    async def _repair(self, batch: list[_Op]) -> bool:
+        """Move the counters of the batch's runs past their stored completions (own transaction);
+        True when done (the batch is then worth retrying whole)."""
         run_ids = [op.rec.run_id for op in batch if isinstance(op, _Item) and op.rec.run_id is not None]
         try:
-            conn = await connect_write(self._engine)
+            conn = await connect_write(self._db)
             try:
                 async with conn.begin():
                     await repair_next_seq(conn, run_ids)
             finally:
                 await conn.close()
             log.warning("writer: seq counters of %d run(s) moved past rows written around them", len(run_ids))
+            return True
         except Exception as e:  # the retry fails again and says why
             log.warning("writer: could not repair seq counters: %s", e)
+            return False
 
     def _resolved(self, item: _Item) -> None:
         self._bytes -= item.size
@@ -474,6 +619,7 @@ class Writer:
             elif isinstance(op, _Flush):
                 if not op.future.done():
                     op.future.set_result(False)
+        self._check_room()
 
     async def _discard_conn(self) -> None:
         conn, self._conn = self._conn, None
@@ -486,22 +632,32 @@ class Writer:
             log.debug("writer: closing a broken connection: %s", e)
 
     async def _write(self, batch: list[_Op]) -> list[Any]:
-        """One transaction for the batch. Returns one outcome per op (a bool or an exception)."""
+        """One transaction for the batch, in queue order: each stretch of records is inserted, then
+        the reward after it applied (so a reward sees its run's earlier completions). Returns one
+        outcome per op (a bool or an exception for a reward, else None)."""
         if self._conn is None:
-            self._conn = await connect_write(self._engine)
+            self._conn = await connect_write(self._db)
         conn = self._conn
         items = [op for op in batch if isinstance(op, _Item)]
         outcomes: list[Any] = []
+        written = replayed_n = 0
         async with conn.begin():
             replayed = [it.rec.capture_id for it in items if it.replayed and it.rec.capture_id]
+            have: set[str] = set()
             if replayed:  # a journal record that was committed before the crash is stored once
                 have = await stored_capture_ids(conn, replayed)
-                items = [it for it in items if not (it.replayed and it.rec.capture_id in have)]
-            records = [it.rec for it in items]
-            first_seq = await ensure_runs(conn, records)  # locks the runs' rows until the commit
             now = datetime.now(UTC)
-            written = await insert_completions(conn, records, first_seq, now)
+            stretch: list[CompletionRecord] = []
             for op in batch:
+                if isinstance(op, _Item):
+                    if not (op.replayed and op.rec.capture_id in have):
+                        stretch.append(op.rec)
+                        replayed_n += op.replayed
+                    outcomes.append(None)
+                    continue
+                if stretch:
+                    written += await self._insert(conn, stretch, now)
+                    stretch = []
                 if isinstance(op, _Reward) and not op.future.done():  # done: withdrawn (timed out)
                     outcomes.append(
                         await apply_reward(
@@ -510,10 +666,23 @@ class Writer:
                     )
                 else:
                     outcomes.append(None)
+            if stretch:
+                written += await self._insert(conn, stretch, now)
         self.rows_written += written
-        self.replayed += sum(1 for it in items if it.replayed)
+        self.replayed += replayed_n
         self.rewards_written += sum(1 for o in outcomes if o is True)
         return outcomes
+
+    @staticmethod
+    async def _insert(conn: AsyncConnection, records: list[CompletionRecord], now: datetime) -> int:
+        first_seq = await ensure_runs(conn, records)  # locks the runs' rows until the commit
+        return await insert_completions(conn, records, first_seq, now)
+
+
+def _in_memory(engine: AsyncEngine) -> bool:
+    """An in-memory SQLite database: every connection of another loop would see another database."""
+    url = engine.url.render_as_string(hide_password=False)
+    return is_sqlite(url) and sqlite_path(url) is None
 
 
 # PostgreSQL's SQLSTATEs of a transaction another one got in the way of: retrying it succeeds.
@@ -526,6 +695,26 @@ def _seq_taken(e: BaseException) -> bool:
     return isinstance(e, exc.IntegrityError) and (
         "uq_completions_run_seq" in text or "completions.run_id, completions.seq" in text
     )
+
+
+def _is_permanent(e: BaseException) -> bool:
+    """Errors about the values themselves (a bind, a constraint, a type): the same again fails again."""
+    if isinstance(e, exc.IntegrityError | exc.DataError) and not _seq_taken(e):
+        return True
+    values = TypeError | ValueError | OverflowError | UnicodeError
+    if isinstance(e, exc.StatementError) and not isinstance(e, exc.DBAPIError):
+        return isinstance(e.orig, values)
+    if isinstance(e, exc.DBAPIError) and not e.connection_invalidated:
+        # asyncpg: "invalid input for query argument" (its DataError, a ValueError) under the adapter's
+        cause: BaseException | None = e.orig
+        for _ in range(4):
+            if cause is None:
+                break
+            if isinstance(cause, values):
+                return True
+            cause = cause.__cause__ or cause.__context__
+        return False
+    return isinstance(e, TypeError | ValueError | OverflowError | UnicodeError)
 
 
 def _is_transient(e: BaseException) -> bool:

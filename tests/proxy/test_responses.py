@@ -530,7 +530,9 @@ def test_upstream_breaking_mid_stream_ends_with_response_failed(make_proxy: Any,
         ) as stream:
             events = list(stream)
         assert events[-1].type == "response.failed"
-        assert events[-1].response.status == "failed" and "upstream" in events[-1].response.error.message
+        message = events[-1].response.error.message
+        assert events[-1].response.status == "failed" and "model server" in message
+        assert "127.0.0.1" not in message and "http" not in message  # issue 22 case 10: never the address
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello"
         (row,) = _rows(proxy, "run_id = 'broken'")
         assert (row["status"], row["status_code"], row["response_id"]) == ("error", 502, None)

@@ -126,7 +126,7 @@ async def test_replay_stores_every_record_once(engine: AsyncEngine, tmp_path: Pa
     """Three records committed and two only journaled when the process dies: after replay all five
     are stored exactly once, in order, and the journal is gone."""
     j1 = Journal(tmp_path / "j")
-    w1 = Writer(engine, flush_interval=0, journal=j1)
+    w1 = Writer(engine, flush_interval=0, journal=j1, thread=False)  # killed below: its task, in-loop
     await w1.start()
     for i in range(3):
         w1.submit(rec("r", i))

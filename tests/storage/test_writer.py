@@ -172,18 +172,60 @@ async def test_two_writers_share_a_run(engine: AsyncEngine, migrated_url: str) -
     assert w1.dropped == w2.dropped == 0
 
 
-async def test_unstorable_record_is_dropped_alone(engine: AsyncEngine) -> None:
+async def test_unserializable_record_is_stored_as_an_error(engine: AsyncEngine) -> None:
+    """A record JSON cannot hold (an object, a lone surrogate) is kept as a plain copy marked as an
+    error (it used to fail its batch three times and then be dropped): nothing is lost."""
     w = Writer(engine, flush_interval=0.05)
     await w.start()
     for i in range(4):
         w.submit(rec("ok", i))
     bad = rec("ok", 99)
-    bad.request = {"not json": object()}
+    bad.request = {"not json": object(), "text": "\ud800"}
     w.submit(bad)
     w.submit(rec("ok", 5))
     await w.close()
-    assert w.dropped == 1 and w.write_errors >= 3
-    assert await rows(engine, "SELECT seq FROM completions ORDER BY seq") == [(i,) for i in range(5)]
+    assert w.dropped == 0
+    got = await rows(engine, "SELECT seq, error FROM completions ORDER BY seq")
+    assert [s for s, _ in got] == list(range(6))
+    assert "stored sanitized" in got[4][1] and [e for _, e in got if e] == [got[4][1]]
+
+
+async def test_a_refused_record_does_not_delay_another_tenants_batch(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22 (writer isolation): records the store refuses (a value its column cannot bind) in
+    another tenant's batch: the honest run's records and reward commit without any retry backoff
+    (the old writer retried the whole batch 3 times with 0.05 + 0.1 s of backoff, then split it and
+    retried each bad record 3 times more: over 1 s of sleeps here), and the bad records are kept
+    as error rows, not dropped."""
+    backoffs: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float, *args: object) -> object:
+        if delay > 0:
+            backoffs.append(delay)
+        return await real_sleep(delay, *args)
+
+    w = Writer(engine, flush_interval=0)  # flush_interval 0: the batcher itself never sleeps
+    await w.start()
+    w.submit(rec("honest", 0))
+    await w.flush()  # the run exists; its connection is open
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    for i in range(1, 7):
+        w.submit(rec("honest", i))
+        bad = rec(f"evil-{i}", i)
+        bad.created_at = "yesterday"  # type: ignore[assignment]  # no datetime: the bind refuses it
+        w.submit(bad)
+    assert await w.reward("honest", 1.0, timeout=30) is True
+    monkeypatch.undo()
+    await w.close()
+    assert backoffs == [], f"the writer backed off {backoffs} for records the store refuses"
+    assert await rows(engine, "SELECT seq FROM completions WHERE run_id = 'honest' ORDER BY seq") == [
+        (i,) for i in range(7)
+    ]
+    evil = await rows(engine, "SELECT error FROM completions WHERE run_id LIKE 'evil-%'")
+    assert len(evil) == 6 and all("refused by the store" in e for (e,) in evil)
+    assert w.dropped == 0
 
 
 async def test_failed_writes_are_retried(migrated_url: str) -> None:
