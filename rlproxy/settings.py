@@ -240,6 +240,22 @@ class Settings(BaseSettings, TrainerConfig):
         4000, ge=200, description="characters of each trajectory shown to the judge (the end is kept)"
     )
 
+    # --- tenancy (issue 22) ---
+    run_state_poll_interval: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="seconds between two reads of the runs closed (rewarded) on any replica: a turn "
+        "for a closed run is refused (409 run_closed) at most this long after another replica's reward",
+    )
+    reward_bound: float = Field(
+        1e6,
+        gt=0,
+        le=1e12,
+        description="largest reward magnitude accepted: a reward outside [-bound, bound] is a 422 "
+        "(keeps a step's advantages finite)",
+    )
+
     @field_validator("upstream", mode="before")
     @classmethod
     def _upstream_list(cls, value: object) -> object:

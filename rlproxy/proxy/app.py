@@ -47,6 +47,7 @@ class ProxyState:
     # forward.Upstream sends itself: the backend's `api_key`)
     drop_headers: frozenset[bytes] = frozenset({b"authorization"})
     services: tuple = ()  # started after the backend, stopped before it (the trainer)
+    runs: object = None  # proxy.runstate.RunState: which runs are closed (issue 22)
 
 
 async def _expire_loop(engine, older_than_s: float) -> None:
@@ -86,6 +87,7 @@ def create_app(state: ProxyState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         from rlproxy.proxy import upstreams
+        from rlproxy.proxy.runstate import RunState
         from rlproxy.storage.writer import Writer
 
         state.gate.bind(asyncio.get_running_loop())
@@ -99,6 +101,7 @@ def create_app(state: ProxyState) -> FastAPI:
             journal=_journal(settings, db_url),
         )
         state.metrics.attach_writer(state.writer, settings.store_unhealthy_after)
+        state.runs = RunState(state.engine, poll_interval=settings.run_state_poll_interval)
         await state.writer.start()
         # Before serving: store what a killed predecessor's clients received but it never committed.
         await state.writer.recover(timeout=settings.store_unhealthy_after)
@@ -124,6 +127,7 @@ def create_app(state: ProxyState) -> FastAPI:
             tasks.append(
                 asyncio.create_task(_expire_loop(state.engine, settings.run_expiry), name="rlproxy-expiry")
             )
+            tasks.append(asyncio.create_task(state.runs.poll(), name="rlproxy-run-state"))
             for service in services:
                 await service.start()
                 started.append(service)
