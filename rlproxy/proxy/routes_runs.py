@@ -46,20 +46,31 @@ def _json(obj, status: int = 200) -> Response:
     return Response(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS), status_code=status, media_type=_JSON)
 
 
-def _number(value, field: str) -> float:
+def _number(value, field: str, bound: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise APIError(422, f"{field}: must be a number", param=field, code="invalid_type")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond any float (a 401-digit one): out of range, not a 500
+        value = math.inf
     if not math.isfinite(value):
-        raise APIError(422, f"{field}: must be finite", param=field, code="invalid_value")
+        raise APIError(422, f"{field}: must be a finite number", param=field, code="invalid_value")
+    if bound is not None and abs(value) > bound:
+        raise APIError(
+            422,
+            f"{field}: must be between -{bound:g} and {bound:g} (the reward_bound setting)",
+            param=field,
+            code="invalid_value",
+        )
     return value
 
 
-def parse_reward(body: dict) -> tuple[float, dict | None, dict | None]:
-    """(reward, metrics, metadata) of a reward body; 422 for a missing/non-finite reward or bad types."""
+def parse_reward(body: dict, bound: float | None = None) -> tuple[float, dict | None, dict | None]:
+    """(reward, metrics, metadata) of a reward body; 422 for a missing or non-finite reward, one outside
+    [-bound, bound] (`reward_bound`, issue 22), or bad types."""
     if "reward" not in body or body["reward"] is None:
         raise APIError(422, "reward: required (a finite number)", param="reward", code="missing")
-    reward = _number(body["reward"], "reward")
+    reward = _number(body["reward"], "reward", bound)
     metrics = body.get("metrics")
     if metrics is not None:
         if not isinstance(metrics, dict):
@@ -174,7 +185,7 @@ async def _reward(request: Request, run_id: str, judge: bool = False) -> Respons
         reward, metrics = None, None
         rubric, metadata = parse_complete(body)
     else:
-        reward, metrics, metadata = parse_reward(body)
+        reward, metrics, metadata = parse_reward(body, px.settings.reward_bound)
     # Acknowledged only once the run's completions are committed: a completion still streaming or a
     # store that cannot commit within the bound is a 503 with Retry-After, never a late 200.
     bound = px.settings.store_wait_timeout
