@@ -410,7 +410,9 @@ class Writer:
                     "will retry" if transient else "permanent?",
                     e,
                 )
-                if not transient and attempt >= SPLIT_AFTER:
+                # a record the store cannot hold (issue 22): split at once, so that it never holds up
+                # another tenant's batch; alone, it is dropped without the retries of a transient error
+                if not transient and (attempt >= SPLIT_AFTER or _is_data_error(e)):
                     if len(batch) > 1:
                         for op in batch:
                             await self._write_with_retry([op])
@@ -525,6 +527,18 @@ def _seq_taken(e: BaseException) -> bool:
     text = str(e)  # PostgreSQL names the constraint, SQLite its columns
     return isinstance(e, exc.IntegrityError) and (
         "uq_completions_run_seq" in text or "completions.run_id, completions.seq" in text
+    )
+
+
+def _is_data_error(e: BaseException) -> bool:
+    """A value the store cannot hold (PostgreSQL's DataError, e.g. U+0000 in text) or cannot even be
+    serialized (a lone surrogate): the same batch fails the same way every time."""
+    if isinstance(e, exc.DataError):
+        return True
+    return (
+        isinstance(e, exc.StatementError)
+        and not isinstance(e, exc.DBAPIError)
+        or isinstance(e, UnicodeError | TypeError | ValueError)
     )
 
 
