@@ -48,6 +48,7 @@ class ProxyState:
     drop_headers: frozenset[bytes] = frozenset({b"authorization"})
     services: tuple = ()  # started after the backend, stopped before it (the trainer)
     runs: object = None  # proxy.runstate.RunState: which runs are closed (issue 22)
+    store_file: object = None  # storage.db.StoreFile: the SQLite file deleted or replaced? (issue 22)
 
 
 async def _expire_loop(engine, older_than_s: float) -> None:
@@ -91,7 +92,11 @@ def create_app(state: ProxyState) -> FastAPI:
         from rlproxy.storage.writer import Writer
 
         state.gate.bind(asyncio.get_running_loop())
+        store_file = db.StoreFile(db_url)
+        store_file.preflight()  # a read-only -shm would SIGBUS at the first write (issue 22)
         await db.upgrade_async(db_url)
+        store_file.remember()
+        state.store_file = store_file
         state.engine = db.create_engine(db_url)
         state.writer = Writer(
             state.engine,

@@ -186,6 +186,13 @@ async def _reward(request: Request, run_id: str, judge: bool = False) -> Respons
         rubric, metadata = parse_complete(body)
     else:
         reward, metrics, metadata = parse_reward(body, px.settings.reward_bound)
+    fault = _file_fault(px)
+    if fault is not None:  # the writes would land in an unlinked file, lost at the next start
+        raise StoreUnavailable(
+            f"the store's database file is {fault.split('_')[1]} (deleted or replaced while serving): "
+            "rewards are not acknowledged; the operator must restore it and restart rlproxy serve",
+            retry_after=30.0,
+        )
     # Acknowledged only once the run's completions are committed: a completion still streaming or a
     # store that cannot commit within the bound is a 503 with Retry-After, never a late 200.
     bound = px.settings.store_wait_timeout
@@ -278,7 +285,8 @@ async def healthz(request: Request) -> Response:
         ok = False
     writer = px.writer
     stalled = writer.stalled_for()
-    store_ok = stalled <= px.settings.store_unhealthy_after
+    file_fault = _file_fault(px)
+    store_ok = stalled <= px.settings.store_unhealthy_after and file_fault is None
     status = "ok" if ok and store_ok else ("upstream_unhealthy" if not ok else "store_unhealthy")
     body = {
         "status": status,  # public route: never the upstream's address (README, Security)
@@ -288,13 +296,29 @@ async def healthz(request: Request) -> Response:
             "status": "ok" if store_ok else "unhealthy",
             "stalled_s": round(stalled, 3),
             "queue_bytes": writer.queue_bytes,
-            "last_error": writer.last_error,
+            # public route: the class of the last fault only, never its SQL, parameters or text
+            # (issue 22 case 5); the message is in the log and on admin /metrics
+            "last_error": fault_class(writer.last_error),
+            "file": file_fault,  # file_missing | file_replaced | None (storage/db.py StoreFile)
             "dropped": writer.dropped,
         },
     }
     if replicas is not None:  # by index (the order of --upstream), never by address
         body["upstreams"] = replicas()
     return _json(body, 200 if ok and store_ok else 503)
+
+
+def fault_class(last_error: str | None) -> str | None:
+    """`"OperationalError"` of the writer's `"OperationalError: (sqlite3...) ... [SQL: ...]"`."""
+    if not last_error:
+        return None
+    name = last_error.split(":", 1)[0].strip()
+    return name if name.isidentifier() else "error"
+
+
+def _file_fault(px) -> str | None:
+    store_file = getattr(px, "store_file", None)
+    return store_file.fault() if store_file is not None else None
 
 
 @router.get("/metrics")
