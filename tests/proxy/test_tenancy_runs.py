@@ -145,3 +145,31 @@ async def _trained_turns(url: str, slipped: bool) -> None:
     finally:
         await engine.dispose()
     assert len(run.completions) == 2 and run.reward == 0.9
+
+
+def test_case7_responses_chain_across_two_replicas(tmp_path: Path, pg_db: str, stub_url: str):  # noqa: F811
+    """Issue 22 case 7: a chain's second turn at once on the other replica finds its first turn
+    (the same peer grace as a reward's). Before: `404 previous_response_not_found` 4 times in 5."""
+    args = ["--backend", "vllm", "--upstream", stub_url, "--model", "stub-model", "--no-train", "--db", pg_db]
+    a, b = (Replica(args, _env(tmp_path, n)) for n in "ab")
+    try:
+        for r in (a, b):
+            r.wait_line("OPENAI_BASE_URL=")
+        clients = [openai.OpenAI(base_url=f"{r.base}/v1", api_key="x", max_retries=0) for r in (a, b)]
+        for i in range(5):
+            first = clients[0].responses.create(
+                model="stub-model", input=f"turn 1 of {i}", extra_headers={"X-Run-Id": f"chain-{i}"}
+            )
+            second = clients[1].responses.create(
+                model="stub-model", input="turn 2", previous_response_id=first.id
+            )
+            assert second.id != first.id
+        for _ in range(100):  # B commits the last turn within its flush interval
+            rows = asyncio.run(_pg(pg_db, "SELECT run_id, count(*) AS n FROM completions GROUP BY run_id"))
+            if sum(r["n"] for r in rows) == 10:
+                break
+            time.sleep(0.05)
+        assert sorted((r["run_id"], r["n"]) for r in rows) == [(f"chain-{i}", 2) for i in range(5)]
+    finally:
+        for r in (a, b):
+            r.stop()
