@@ -182,7 +182,8 @@ async def test_unstorable_record_is_dropped_alone(engine: AsyncEngine) -> None:
     w.submit(bad)
     w.submit(rec("ok", 5))
     await w.close()
-    assert w.dropped == 1 and w.write_errors >= 3
+    # issue 22: an unstorable record is split out at once and dropped at once (no retries, no back-off)
+    assert w.dropped == 1 and 1 <= w.write_errors <= 2
     assert await rows(engine, "SELECT seq FROM completions ORDER BY seq") == [(i,) for i in range(5)]
 
 
