@@ -79,7 +79,13 @@ async def test_case1_judge_scores_only_runs_that_asked(tiny_model_dir: Path, tmp
 
 async def test_case1_failing_judge_fails_only_runs_that_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
     stub = StubJudge(["not JSON at all"])
-    settings = {"judge_base_url": stub.base_url, "group_size": 2, "judge_max_attempts": 2, "train": True}
+    # the group holds all four runs (group_size 4), each source ready on its own after group_timeout
+    settings = {
+        "judge_base_url": stub.base_url,
+        "group_size": 4,
+        "group_timeout": 2.0,
+        "judge_max_attempts": 2,
+    }
     async with stub.serving(), proxy(tiny_model_dir, tmp_path, **settings) as (base, px, db):
         async with httpx.AsyncClient(base_url=base) as http:
             await _victims_and_attackers(base, px.backend.served_model, http)
