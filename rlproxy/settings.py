@@ -291,6 +291,22 @@ class Settings(BaseSettings, TrainerConfig):
         parse_modes(value)  # a ValueError names the bad entry
         return value
 
+    # --- tenancy (issue 22) ---
+    run_state_poll_interval: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="seconds between two reads of the runs closed (rewarded) on any replica: a turn "
+        "for a closed run is refused (409 run_closed) at most this long after another replica's reward",
+    )
+    reward_bound: float = Field(
+        1e6,
+        gt=0,
+        le=1e12,
+        description="largest reward magnitude accepted: a reward outside [-bound, bound] is a 422 "
+        "(keeps a step's advantages finite)",
+    )
+
     @field_validator("upstream", mode="before")
     @classmethod
     def _upstream_list(cls, value: object) -> object:

@@ -55,6 +55,8 @@ class ProxyState:
     # forward.Upstream sends itself: the backend's `api_key`)
     drop_headers: frozenset[bytes] = frozenset({b"authorization", b"x-api-key"})
     services: tuple = ()  # started after the backend, stopped before it (the trainer)
+    runs: object = None  # proxy.runstate.RunState: which runs are closed (issue 22)
+    store_file: object = None  # storage.db.StoreFile: the SQLite file deleted or replaced? (issue 22)
 
 
 async def _expire_loop(engine, older_than_s: float) -> None:
@@ -94,10 +96,15 @@ def create_app(state: ProxyState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         from rlproxy.proxy import upstreams
+        from rlproxy.proxy.runstate import RunState
         from rlproxy.storage.writer import Writer
 
         state.gate.bind(asyncio.get_running_loop())
+        store_file = db.StoreFile(db_url)
+        store_file.preflight()  # a read-only -shm would SIGBUS at the first write (issue 22)
         await db.upgrade_async(db_url)
+        store_file.remember()
+        state.store_file = store_file
         state.engine = db.create_engine(db_url)
         state.writer = Writer(
             state.engine,
@@ -107,6 +114,7 @@ def create_app(state: ProxyState) -> FastAPI:
             journal=_journal(settings, db_url),
         )
         state.metrics.attach_writer(state.writer, settings.store_unhealthy_after)
+        state.runs = RunState(state.engine, poll_interval=settings.run_state_poll_interval)
         await state.writer.start()
         # Before serving: store what a killed predecessor's clients received but it never committed.
         await state.writer.recover(timeout=settings.store_unhealthy_after)
@@ -133,6 +141,7 @@ def create_app(state: ProxyState) -> FastAPI:
             tasks.append(
                 asyncio.create_task(_expire_loop(state.engine, settings.run_expiry), name="rlproxy-expiry")
             )
+            tasks.append(asyncio.create_task(state.runs.poll(), name="rlproxy-run-state"))
             for service in services:
                 await service.start()
                 started.append(service)

@@ -100,6 +100,16 @@ class _WriterCollector:
             family = kind(name, doc)
             family.add_metric([], value)
             out.append(family)
+        # the writer's last failure in full (admin route; /healthz shows only its class: issue 22)
+        last = getattr(w, "last_error", None)
+        if last:
+            info = GaugeMetricFamily(
+                "rlproxy_store_last_error",
+                "the writer's last failed transaction (1 while failing)",
+                labels=["error"],
+            )
+            info.add_metric([last[:500]], 1.0)
+            out.append(info)
         return out
 
 

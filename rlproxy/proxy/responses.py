@@ -11,7 +11,10 @@ Stored (see migration 0003): `request`/`response` hold the chat form, `client_re
 `client_response` what the client sent and got, `response_id` the id a later `previous_response_id`
 names. A chained request continues from the stored chat messages of the response it names (store
 first, then the writer's queue: a chain may follow its previous turn before that is committed).
-Without a run key of its own, a chained request joins the run of the response it continues.
+Without a run key of its own, a chained request joins the run of the response it continues, while
+that run is open (proxy/runstate.py decides: issue 22). On a store several replicas write
+(PostgreSQL), a previous response not found yet is looked up again for the writer's PEER_GRACE_S
+(the turn before may have ended on another replica a moment ago), as a reward's run is.
 `GET /v1/responses/{id}` answers the stored Responses object (`retrieve`).
 """
 
@@ -27,6 +30,7 @@ from starlette.responses import Response
 
 from rlproxy.errors import APIError
 from rlproxy.storage import queries
+from rlproxy.storage.writer import PEER_GRACE_S, PEER_RETRY_S
 from rlproxy.wire.responses import (
     ResponseEvents,
     ResponsesInputError,
@@ -68,7 +72,7 @@ async def prepare(px, body: dict) -> Call:
     if prev_id is not None:
         if not isinstance(prev_id, str):
             raise APIError(400, "previous_response_id: must be a string", param="previous_response_id")
-        prev = await _stored(px, prev_id)
+        prev = await _stored(px, prev_id, peer_grace=True)
         message = ((prev or {}).get("response") or {}).get("choices") or [{}]
         if prev is None or not isinstance(message[0].get("message"), dict):
             raise APIError(
@@ -86,7 +90,7 @@ async def prepare(px, body: dict) -> Call:
     return Call(body=body, chat=chat, run_id=run_id)
 
 
-async def _stored(px, response_id: str) -> dict | None:
+async def _stored(px, response_id: str, peer_grace: bool = False) -> dict | None:
     row = _decode(await queries.stored_response(px.engine, response_id))
     if row is None:  # perhaps still in the writer's queue: the previous turn ended just now
         try:
@@ -94,6 +98,13 @@ async def _stored(px, response_id: str) -> dict | None:
         except TimeoutError:
             return None
         row = _decode(await queries.stored_response(px.engine, response_id))
+    if row is None and peer_grace and px.engine.dialect.name != "sqlite":
+        # several replicas on one store: the previous turn may have ended on another replica, whose
+        # writer commits it within its flush interval. The same grace as a reward's (writer.py).
+        deadline = time.monotonic() + PEER_GRACE_S
+        while row is None and time.monotonic() < deadline:
+            await asyncio.sleep(PEER_RETRY_S)
+            row = _decode(await queries.stored_response(px.engine, response_id))
     return row
 
 

@@ -108,8 +108,6 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     call = None
     if endpoint == Endpoint.RESPONSES:
         call = await responses.prepare(px, body)
-        if run_id is None:  # a chained call without a run key stays in its previous response's run
-            run_id = call.run_id
         body = call.chat  # from here on the chat form: forwarded, hashed, stored
     elif endpoint == Endpoint.MESSAGES:
         call = messages.prepare(body)
@@ -121,6 +119,8 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         runkey.check_id(group_id, "group id")
     if split is not None:
         runkey.check_split(split)
+    # a closed run takes no more turns; a chain inherits its previous response's run (proxy/runstate.py)
+    run_id = await px.runs.admit(run_id, call.run_id if call is not None else None)
     if not px.gate.is_open:
         await px.gate.wait()
     if px.writer.full:  # the store is behind: wait at its pace (bounded, then 503 + Retry-After)

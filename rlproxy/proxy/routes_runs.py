@@ -46,20 +46,31 @@ def _json(obj, status: int = 200) -> Response:
     return Response(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS), status_code=status, media_type=_JSON)
 
 
-def _number(value, field: str) -> float:
+def _number(value, field: str, bound: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise APIError(422, f"{field}: must be a number", param=field, code="invalid_type")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond any float (a 401-digit one): out of range, not a 500
+        value = math.inf
     if not math.isfinite(value):
-        raise APIError(422, f"{field}: must be finite", param=field, code="invalid_value")
+        raise APIError(422, f"{field}: must be a finite number", param=field, code="invalid_value")
+    if bound is not None and abs(value) > bound:
+        raise APIError(
+            422,
+            f"{field}: must be between -{bound:g} and {bound:g} (the reward_bound setting)",
+            param=field,
+            code="invalid_value",
+        )
     return value
 
 
-def parse_reward(body: dict) -> tuple[float, dict | None, dict | None]:
-    """(reward, metrics, metadata) of a reward body; 422 for a missing/non-finite reward or bad types."""
+def parse_reward(body: dict, bound: float | None = None) -> tuple[float, dict | None, dict | None]:
+    """(reward, metrics, metadata) of a reward body; 422 for a missing or non-finite reward, one outside
+    [-bound, bound] (`reward_bound`, issue 22), or bad types."""
     if "reward" not in body or body["reward"] is None:
         raise APIError(422, "reward: required (a finite number)", param="reward", code="missing")
-    reward = _number(body["reward"], "reward")
+    reward = _number(body["reward"], "reward", bound)
     metrics = body.get("metrics")
     if metrics is not None:
         if not isinstance(metrics, dict):
@@ -174,7 +185,14 @@ async def _reward(request: Request, run_id: str, judge: bool = False) -> Respons
         reward, metrics = None, None
         rubric, metadata = parse_complete(body)
     else:
-        reward, metrics, metadata = parse_reward(body)
+        reward, metrics, metadata = parse_reward(body, px.settings.reward_bound)
+    fault = _file_fault(px)
+    if fault is not None:  # the writes would land in an unlinked file, lost at the next start
+        raise StoreUnavailable(
+            f"the store's database file is {fault.split('_')[1]} (deleted or replaced while serving): "
+            "rewards are not acknowledged; the operator must restore it and restart rlproxy serve",
+            retry_after=30.0,
+        )
     # Acknowledged only once the run's completions are committed: a completion still streaming or a
     # store that cannot commit within the bound is a 503 with Retry-After, never a late 200.
     bound = px.settings.store_wait_timeout
@@ -189,6 +207,7 @@ async def _reward(request: Request, run_id: str, judge: bool = False) -> Respons
     stored = await px.writer.reward(
         run_id, reward, metrics, metadata, timeout=remaining, rubric=rubric, split=split
     )
+    px.runs.close(run_id)  # no more turns into this reward (proxy/runstate.py)
     if reward is None:
         return _json({"run_id": run_id, "reward": None, "judge": True, "stored": stored})
     return _json({"run_id": run_id, "reward": reward, "stored": stored})
@@ -266,7 +285,8 @@ async def healthz(request: Request) -> Response:
         ok = False
     writer = px.writer
     stalled = writer.stalled_for()
-    store_ok = stalled <= px.settings.store_unhealthy_after
+    file_fault = _file_fault(px)
+    store_ok = stalled <= px.settings.store_unhealthy_after and file_fault is None
     status = "ok" if ok and store_ok else ("upstream_unhealthy" if not ok else "store_unhealthy")
     body = {
         "status": status,  # public route: never the upstream's address (README, Security)
@@ -276,13 +296,29 @@ async def healthz(request: Request) -> Response:
             "status": "ok" if store_ok else "unhealthy",
             "stalled_s": round(stalled, 3),
             "queue_bytes": writer.queue_bytes,
-            "last_error": writer.last_error,
+            # public route: the class of the last fault only, never its SQL, parameters or text
+            # (issue 22 case 5); the message is in the log and on admin /metrics
+            "last_error": fault_class(writer.last_error),
+            "file": file_fault,  # file_missing | file_replaced | None (storage/db.py StoreFile)
             "dropped": writer.dropped,
         },
     }
     if replicas is not None:  # by index (the order of --upstream), never by address
         body["upstreams"] = replicas()
     return _json(body, 200 if ok and store_ok else 503)
+
+
+def fault_class(last_error: str | None) -> str | None:
+    """`"OperationalError"` of the writer's `"OperationalError: (sqlite3...) ... [SQL: ...]"`."""
+    if not last_error:
+        return None
+    name = last_error.split(":", 1)[0].strip()
+    return name if name.isidentifier() else "error"
+
+
+def _file_fault(px) -> str | None:
+    store_file = getattr(px, "store_file", None)
+    return store_file.fault() if store_file is not None else None
 
 
 @router.get("/metrics")

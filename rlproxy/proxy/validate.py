@@ -5,6 +5,13 @@ what OpenAI's API rejects as a type error: 400 for a body that is not JSON or is
 `max_json_depth`, 422 (OpenAI's error shape, `param` naming the field) for a wrong type. Cheap on
 purpose: it runs on every request (the depth is walked only when the body has more brackets than
 the limit, which an ordinary request has not).
+
+Text the store cannot hold is refused here, at the edge, in every route that reads a body (issue 22,
+cases 4 and 6): a lone UTF-16 surrogate (`"\ud800"`: no UTF-8 form; orjson refuses it as invalid
+JSON, and the reward route's NaN-tolerant fallback parser is checked for it) and U+0000 (`"\u0000"`:
+PostgreSQL's text and jsonb cannot hold it; refused on every store, so an app behaves the same on
+SQLite and PostgreSQL and a store can move from one to the other). Both are a 400 `invalid_text`.
+The U+0000 check is a byte search for its escape, walked only on a hit.
 """
 
 from __future__ import annotations
@@ -63,6 +70,10 @@ def parse_body(raw: bytes, max_depth: int = MAX_DEPTH, non_finite: bool = False)
             ) from None
     if not isinstance(body, dict):
         raise APIError(422, "the request body must be a JSON object", code="invalid_type")
+    if b"\\u0000" in raw and _bad_text(body, "\x00"):  # a raw NUL byte is not JSON: only the escape
+        raise APIError(
+            400, "the body holds U+0000 (a NUL character), which the store cannot hold", code="invalid_text"
+        )
     # nesting cannot exceed the number of brackets: count them in C before walking in Python
     if raw.count(b"{") + raw.count(b"[") > max_depth and _deeper_than(body, max_depth):
         raise APIError(400, f"the JSON body is nested deeper than {max_depth} levels", code="json_too_deep")
@@ -71,9 +82,40 @@ def parse_body(raw: bytes, max_depth: int = MAX_DEPTH, non_finite: bool = False)
 
 def _loads_non_finite(raw: bytes) -> object | None:
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, RecursionError):
         return None
+    if _bad_text(body, None):  # json.loads accepts lone surrogates, which orjson refuses
+        raise APIError(
+            400,
+            "the body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not text the store can hold",
+            code="invalid_text",
+        )
+    return body
+
+
+def _bad_text(value: object, char: str | None) -> bool:
+    """True if a string (key or value) in `value` holds `char`, or (None) a lone surrogate."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if (char in node) if char is not None else not _utf8(node):
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _deeper_than(value: object, max_depth: int) -> bool:

@@ -337,3 +337,59 @@ def _redact(url: str) -> str:
         return make_url(normalize_url(url)).render_as_string(hide_password=True)
     except Exception:  # only for a log line
         return "<url>"
+
+
+class StoreFile:
+    """The SQLite file a serving process writes to, watched for being deleted or replaced (issue 22).
+
+    A file deleted (or moved, or replaced by another) while `serve` runs keeps taking writes on the
+    old, unlinked inode: every acknowledged reward would be lost at the next start. `fault()` compares
+    the path's (device, inode) with the ones seen at start, a stat per call (the `/healthz` check and
+    each reward ask it): `file_missing` or `file_replaced` then, else None. PostgreSQL: always None.
+
+    `preflight()` refuses to serve a store whose `-wal` or `-shm` sidecar cannot be written (a
+    read-only `-shm` makes SQLite map it read-only and the process die of SIGBUS at its first write,
+    with no log line): a StorageError that names the file, before any request.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.path = sqlite_path(url) if is_sqlite(url) else None
+        self.identity: tuple[int, int] | None = None
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)  # type: ignore[arg-type]
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def preflight(self) -> None:
+        from rlproxy.errors import StorageError
+
+        if self.path is None:
+            return
+        for sidecar in (self.path + "-wal", self.path + "-shm"):
+            if not os.path.exists(sidecar):
+                continue
+            try:
+                with open(sidecar, "r+b"):
+                    pass
+            except OSError as exc:
+                raise StorageError(
+                    f"{sidecar} cannot be written ({exc.strerror}): SQLite would crash the process "
+                    "(SIGBUS) at its first write; give this process write access to it, or remove it "
+                    "while no process uses the store"
+                ) from None
+
+    def remember(self) -> None:
+        """Note the file's identity (after the migrations made sure it exists)."""
+        if self.path is not None:
+            self.identity = self._stat()
+
+    def fault(self) -> str | None:
+        if self.path is None or self.identity is None:
+            return None
+        now = self._stat()
+        if now is None:
+            return "file_missing"
+        return "file_replaced" if now != self.identity else None

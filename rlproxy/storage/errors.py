@@ -74,3 +74,35 @@ class NotAStore(StorageError):
 
     status = 503
     code = "store_unavailable"
+
+
+class RubricConflict(StorageError):
+    """A judge request whose rubric differs from the one another run of its group (still waiting for
+    the judge, or scored and not yet trained) asked for: a group is judged under one rubric (issue 22)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "rubric_conflict"
+
+    def __init__(self, run_id: str, group_id: str | None) -> None:
+        super().__init__(
+            f"run {run_id!r}: group {group_id!r} is judged under another rubric; post the same rubric "
+            "(or none, if its runs posted none), or send another X-Group-Id"
+        )
+        self.run_id = run_id
+
+
+class RunClosed(StorageError):
+    """A completion for a run that already has its reward (or asked for the judge's): a run past
+    `open` takes no more turns into its reward (README: Tenancy). Start a new run id."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "run_closed"
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(
+            f"run {run_id!r} is closed: it already has its reward (or asked for the judge's); "
+            "send this turn under a new run id"
+        )
+        self.run_id = run_id

@@ -7,9 +7,15 @@ run still alone past `group_timeout` is judged alone, so that nothing waits fore
 becomes `ungrouped` like any lone rewarded run). Under `judge=always` a group of app-rewarded runs
 waits for the judge as well, until every run's `reward_source` is 'judge'.
 
+Tenancy (issue 22): under `judge=missing` (the default) the judge sees and scores only the runs
+that asked for it (reward_source 'judge'): a run that joins another's group and asks for the judge
+never re-scores the group's app-rewarded runs, and a judge that fails fails only the runs that asked.
+Only `judge=always`, the operator's choice for a policy, puts app-rewarded runs before the judge.
+
 `store_scores` writes a group's scores in one transaction: `reward`, `reward_source='judge'`,
-`judge_explanation`, and the app's number (if any) moved to `metrics.app_reward`. Only runs still
-`completed` change, so a run trained, skipped or failed meanwhile keeps what it has.
+`judge_explanation`, and (only with `replace_app`, judge=always) the app's number moved to
+`metrics.app_reward`. Only runs still `completed` change, so a run trained, skipped or failed
+meanwhile keeps what it has.
 """
 
 from __future__ import annotations
@@ -81,42 +87,48 @@ async def judge_groups(
     mode is 'off' qualify only by their waiting runs (the caller fails those: nobody will judge them).
     """
     now = now or datetime.now(UTC)
+    judged = Run.reward_source == "judge"
     newest = func.max(func.coalesce(Run.completed_at, Run.created_at))
+    newest_judged = func.max(case((judged, func.coalesce(Run.completed_at, Run.created_at)), else_=None))
     waiting = func.sum(case((Run.reward.is_(None), 1), else_=0))
-    unjudged = func.sum(case((Run.reward_source == "judge", 0), else_=1))
+    unjudged = func.sum(case((judged, 0), else_=1))
     q = (
         select(
             Run.policy,
             Run.group_id,
             func.count().label("n"),
+            func.sum(case((judged, 1), else_=0)).label("n_judged"),
             newest.label("newest"),
+            newest_judged.label("newest_judged"),
             waiting.label("waiting"),
             unjudged.label("unjudged"),
         )
         .where(_status_is(engine, RunStatus.completed), Run.group_id.is_not(None), Run.policy.is_not(None))
-        .where(Run.reward.is_not(None) | (Run.reward_source == "judge"))
+        .where(Run.reward.is_not(None) | judged)
         .group_by(Run.policy, Run.group_id)
     )
     cutoff = now - timedelta(seconds=group_timeout)
     keys = []
     async with engine.connect() as conn:
         for r in (await conn.execute(q)).all():
-            if not (r.waiting or (mode_of(r.policy) == "always" and r.unjudged)):
+            always = mode_of(r.policy) == "always"
+            if not (r.waiting or (always and r.unjudged)):
                 continue
-            at = _aware(r.newest)
-            if r.n >= group_size or (at is not None and at <= cutoff):
-                keys.append((at or now, r.policy, r.group_id))
+            n, at = (r.n, _aware(r.newest)) if always else (r.n_judged, _aware(r.newest_judged))
+            if n >= group_size or (at is not None and at <= cutoff):
+                keys.append((at or now, r.policy, r.group_id, always))
         keys.sort(key=lambda k: k[0])
         groups = []
-        for _, policy, gid in keys:
-            runs = (
-                await conn.execute(
-                    select(Run.id, Run.reward, Run.reward_source, Run.judge_rubric)
-                    .where(Run.policy == policy, Run.group_id == gid, Run.status == RunStatus.completed)
-                    .where(Run.reward.is_not(None) | (Run.reward_source == "judge"))
-                    .order_by(Run.completed_at, Run.id)
-                )
-            ).all()
+        for _, policy, gid, always in keys:
+            members_q = (
+                select(Run.id, Run.reward, Run.reward_source, Run.judge_rubric)
+                .where(Run.policy == policy, Run.group_id == gid, Run.status == RunStatus.completed)
+                .where(Run.reward.is_not(None) | judged)
+                .order_by(Run.completed_at, Run.id)
+            )
+            if not always:  # only the runs that asked for the judge (module doc: tenancy)
+                members_q = members_q.where(judged)
+            runs = (await conn.execute(members_q)).all()
             members = [JudgeRun(r.id, r.reward, r.reward_source, r.judge_rubric) for r in runs]
             # each run's last completion: its messages hold the whole conversation so far
             last = (
@@ -140,9 +152,12 @@ async def judge_groups(
     return groups
 
 
-async def store_scores(engine: Any, scores: dict[str, tuple[float, str]]) -> int:
-    """Store the judge's (score, explanation) per run id as its reward, in one transaction; an app's
-    earlier number moves to `metrics.app_reward`. Returns the runs changed (only `completed` ones)."""
+async def store_scores(
+    engine: Any, scores: dict[str, tuple[float, str]], *, replace_app: bool = False
+) -> int:
+    """Store the judge's (score, explanation) per run id as its reward, in one transaction. Only runs
+    that asked for the judge change, unless `replace_app` (judge=always): then an app's earlier number
+    moves to `metrics.app_reward`. Returns the runs changed (only `completed` ones)."""
     if not scores:
         return 0
     changed = 0
@@ -154,6 +169,8 @@ async def store_scores(engine: Any, scores: dict[str, tuple[float, str]]) -> int
                 )
             )
         ).all()
+        if not replace_app:  # never another run's app reward (module doc: tenancy)
+            rows = [row for row in rows if row.reward_source == "judge"]
         for row in rows:
             score, explanation = scores[row.id]
             values: dict[str, Any] = {

@@ -333,3 +333,34 @@ async def step_table(
         row.pop("config", None)
         out.append({k: _iso(v) for k, v in row.items()})
     return out
+
+
+# --- closed runs (issue 22: proxy/runstate.py) ----------------------------------------------------
+
+# the statuses of a run that has its reward (or asked for the judge's): it takes no more turns
+CLOSED_STATUSES = tuple(s.value for s in RunStatus if s not in (RunStatus.open, RunStatus.expired))
+
+
+def _closed() -> Any:
+    return RUNS.c.reward.is_not(None) | RUNS.c.reward_source.is_not(None)
+
+
+async def closed_runs(engine: AsyncEngine, run_ids: list[str]) -> set[str]:
+    """Which of `run_ids` are closed: a reward or a judge request is stored for them (primary key reads)."""
+    if not run_ids:
+        return set()
+    q = select(RUNS.c.id).where(RUNS.c.id.in_(run_ids), _closed())
+    async with engine.connect() as conn:
+        return set((await conn.execute(q)).scalars())
+
+
+async def closed_since(engine: AsyncEngine, since: datetime, limit: int = 100_000) -> list[str]:
+    """Ids of the runs rewarded (or completed for the judge) at or after `since`, on any replica
+    (`ix_runs_status_completed`: one range per closed status)."""
+    q = (
+        select(RUNS.c.id)
+        .where(RUNS.c.status.in_(CLOSED_STATUSES), RUNS.c.completed_at >= _ts(engine, since), _closed())
+        .limit(limit)
+    )
+    async with engine.connect() as conn:
+        return list((await conn.execute(q)).scalars())

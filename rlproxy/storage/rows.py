@@ -16,7 +16,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from rlproxy.storage.errors import RewardConflict, RunNotFound, SplitConflict
+from rlproxy.storage.errors import RewardConflict, RubricConflict, RunNotFound, SplitConflict
 from rlproxy.storage.models import Completion, Run, RunStatus
 from rlproxy.storage.records import COMPLETION_FIELDS, CompletionRecord
 
@@ -118,7 +118,7 @@ async def apply_reward(
     now: datetime,
     rubric: str | None = None,
     split: str | None = None,
-) -> bool | RunNotFound | RewardConflict | SplitConflict:
+) -> bool | RunNotFound | RewardConflict | SplitConflict | RubricConflict:
     """Store a run's reward: True when stored, False when the same one was, else the error to raise.
 
     `reward` None asks for the judge's (trainer/judge.py): the run becomes `completed` with reward
@@ -126,7 +126,15 @@ async def apply_reward(
     `split` "val" (the reward body's) makes the run a validation run, as `X-Split: val` on its first
     request did: it becomes `validated`, never `completed` (storage/validation.py); None keeps its split.
     """
-    query = select(RUNS.c.reward, RUNS.c.status, RUNS.c.reward_source, RUNS.c.metrics, RUNS.c.split)
+    query = select(
+        RUNS.c.reward,
+        RUNS.c.status,
+        RUNS.c.reward_source,
+        RUNS.c.metrics,
+        RUNS.c.split,
+        RUNS.c.policy,
+        RUNS.c.group_id,
+    )
     # FOR NO KEY UPDATE (PostgreSQL; SQLite's writer holds the write lock already): a reward racing
     # on another replica waits here for this transaction, then reads what it stored (200 vs 409).
     query = query.where(RUNS.c.id == run_id).with_for_update(key_share=True)
@@ -146,6 +154,8 @@ async def apply_reward(
             return False
         if row.reward is not None:
             return RewardConflict(run_id, row.reward, None)
+        if await _other_rubric(conn, run_id, row.policy, row.group_id, rubric):
+            return RubricConflict(run_id, row.group_id)
     elif judged and row.reward is None:
         return RewardConflict(run_id, None, reward)
     elif row.reward is not None:
@@ -174,3 +184,18 @@ async def apply_reward(
         )
     )
     return True
+
+
+async def _other_rubric(
+    conn: AsyncConnection, run_id: str, policy: str | None, group_id: str | None, rubric: str | None
+) -> bool:
+    """True when another run of the group, completed for the judge and not yet trained, asked for a
+    different rubric (None, the policy's rubric, counts as one): one rubric per judged group."""
+    query = (
+        select(RUNS.c.judge_rubric)
+        .where(RUNS.c.policy == policy, RUNS.c.group_id == group_id, RUNS.c.id != run_id)
+        .where(RUNS.c.reward_source == "judge", RUNS.c.status == RunStatus.completed.value)
+        .distinct()
+        .limit(3)
+    )
+    return any(r != rubric for r in (await conn.execute(query)).scalars())

@@ -87,6 +87,9 @@ TRAINABLE = (RunStatus.completed, RunStatus.ungrouped)  # the statuses a step ma
 # Validation runs (split val) become `validated`, never a TRAINABLE status; this guard keeps them out
 # of every selection even when a status was set by hand (storage/validation.py).
 TRAIN_SPLIT = Run.split == "train"
+# Who gave a run its reward (app, judge): groups and ungrouped batches are kept apart by it, so app
+# rewards and judge scores never share one baseline (issue 22; NULL on rows older than the column)
+SOURCE = func.coalesce(Run.reward_source, "app")
 NOTICE_MIN_RUNS = 20  # fewer rewarded runs are too few to say that most tasks are unique
 
 
@@ -197,10 +200,12 @@ async def ready_groups(
     now = now or datetime.now(UTC)
     newest = func.max(func.coalesce(Run.completed_at, Run.created_at))
     q = (
-        select(Run.policy, Run.group_id, func.count().label("n"), newest.label("newest"))
+        select(
+            Run.policy, Run.group_id, SOURCE.label("source"), func.count().label("n"), newest.label("newest")
+        )
         .where(_status_is(engine, RunStatus.completed), Run.group_id.is_not(None), Run.policy.is_not(None))
         .where(Run.reward.is_not(None), TRAIN_SPLIT)
-        .group_by(Run.policy, Run.group_id)
+        .group_by(Run.policy, Run.group_id, SOURCE)
         .having(func.count() >= 2)
     )
     if policy is not None:
@@ -209,17 +214,24 @@ async def ready_groups(
         rows = (await conn.execute(q)).all()
         cutoff = now - timedelta(seconds=group_timeout)
         keys = [
-            (r.policy, r.group_id, _aware(r.newest))
+            (r.policy, r.group_id, r.source, _aware(r.newest))
             for r in rows
             if r.n >= group_size or (_aware(r.newest) is not None and _aware(r.newest) <= cutoff)
         ]
+        # one (policy, group) per poll, its longest waiting source first: a step's baseline is keyed by
+        # the group id (trainer/batches.py), so its app and judge runs must not be in one step
+        keys.sort(key=lambda k: k[3] or now)
+        seen: set[tuple[str, str]] = set()
         groups = []
-        for pol, gid, newest_at in keys:
+        for pol, gid, src, newest_at in keys:
+            if (pol, gid) in seen:
+                continue
+            seen.add((pol, gid))
             runs = (
                 await conn.execute(
                     select(Run.id, Run.reward, Run.reward_source)
                     .where(Run.policy == pol, Run.group_id == gid, Run.status == RunStatus.completed)
-                    .where(Run.reward.is_not(None), TRAIN_SPLIT)
+                    .where(Run.reward.is_not(None), TRAIN_SPLIT, SOURCE == src)
                     .order_by(Run.completed_at, Run.id)
                 )
             ).all()
@@ -245,6 +257,7 @@ def _alone() -> Any:
         sib.policy == Run.policy,
         sib.group_id == Run.group_id,
         sib.reward.is_not(None),
+        func.coalesce(sib.reward_source, "app") == SOURCE,
         sib.id != Run.id,
     )
 
@@ -298,13 +311,18 @@ async def ungrouped_batch(
     )
     order = (Run.completed_at, Run.id)
     async with engine.connect() as conn:
-        policy = await conn.scalar(select(Run.policy).where(*ungrouped).order_by(*order).limit(1))
-        if policy is None:
+        first = (
+            await conn.execute(
+                select(Run.policy, SOURCE.label("source")).where(*ungrouped).order_by(*order).limit(1)
+            )
+        ).first()
+        if first is None:
             return None
+        policy = first.policy
         rows = (
             await conn.execute(
                 select(Run.id, Run.reward, Run.completed_at)
-                .where(*ungrouped, Run.policy == policy)
+                .where(*ungrouped, Run.policy == policy, SOURCE == first.source)  # one baseline, one source
                 .order_by(*order)
                 .limit(batch_size)
             )
@@ -346,13 +364,17 @@ def singleton_notice(by_status: dict[str, int]) -> str | None:
 
 
 async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
-    """The runs `run_ids` with their completions, in the order given."""
+    """The runs `run_ids` with their completions, in the order given: only the completions created
+    before the run's reward (a turn that slipped in after it, e.g. through another replica before
+    it learnt the run was closed, is stored but never trained with that reward; issue 22)."""
     async with engine.connect() as conn:
         runs = {r.id: r for r in (await conn.execute(select(Run).where(Run.id.in_(run_ids)))).all()}
         comps = (
             await conn.execute(
                 select(Completion)
+                .join(Run, Run.id == Completion.run_id)
                 .where(Completion.run_id.in_(run_ids))
+                .where(Run.completed_at.is_(None) | (Completion.created_at <= Run.completed_at))
                 .order_by(Completion.run_id, Completion.seq)
             )
         ).all()

@@ -203,7 +203,11 @@ class Judge:
                 )
                 continue
             self._observe("ok", seconds, usage)
-            n = await store_scores(engine, {r.run_id: s for r, s in zip(group.runs, scores, strict=True)})
+            n = await store_scores(
+                engine,
+                {r.run_id: s for r, s in zip(group.runs, scores, strict=True)},
+                replace_app=c.mode_of(group.policy) == "always",
+            )
             self._group("scored")
             log.info(
                 "judge scored group %s of %s (%d runs): %s",

@@ -60,6 +60,7 @@ from rlproxy.storage.validation import best_step
 from rlproxy.trainer import checkpoint as ckpt
 from rlproxy.trainer.batches import usable
 from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.culprits import nonfinite_groups
 from rlproxy.trainer.model import load_policy
 from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
 from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, step_columns, train_step
@@ -247,7 +248,7 @@ class TrainerService:
                     learner.step,
                 )
                 if result.skipped:  # weights and optimizer untouched: nothing to save or publish
-                    return await self._skipped(policy, run_ids, result)
+                    return await self._skipped(policy, run_ids, result, runs)
                 result.metrics.update(self._selection_metrics(result))
                 # 3. checkpoint: adapter + optimizer + trainer state, atomically, before any publishing
                 state = {
@@ -315,18 +316,26 @@ class TrainerService:
         last = ckpt.latest_checkpoint(self.config.checkpoint_dir, policy)
         return last is not None and last.step > step
 
-    async def _skipped(self, policy: str, run_ids: list[str], result: StepResult) -> None:
+    async def _skipped(
+        self, policy: str, run_ids: list[str], result: StepResult, runs: list[RunData] | None = None
+    ) -> None:
         """A step with a non-finite loss or gradient: counted and logged; its runs stay trainable,
         unless the same runs failed NONFINITE_RETRIES times in a row (then `failed`, so they cannot
-        block the queue)."""
+        block the queue): only the groups that carry the cause, when the data shows one (culprits.py)."""
         self.steps_skipped += 1
         self.last_metrics = {"policy": policy, "step": None, **result.metrics}
         key = frozenset(run_ids)
         tries = self._nonfinite[key] = self._nonfinite.get(key, 0) + 1
         if tries >= NONFINITE_RETRIES:
             self._nonfinite.pop(key)
-            n = await mark_runs(self._db(), run_ids, RunStatus.failed, StatusReason.nonfinite)
-            log.warning("marked %d run(s) failed: %d non-finite steps in a row", n, tries)
+            culprits = nonfinite_groups(runs or []) or set(run_ids)  # issue 22: not the other groups
+            n = await mark_runs(self._db(), sorted(culprits), RunStatus.failed, StatusReason.nonfinite)
+            log.warning(
+                "marked %d run(s) failed: %d non-finite steps in a row; %d other run(s) stay trainable",
+                n,
+                tries,
+                len(set(run_ids) - culprits),
+            )
         else:
             log.warning(
                 "%s: step skipped (%d so far): loss %s, grad norm %s not finite; %d run(s) stay trainable",

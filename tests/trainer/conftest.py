@@ -58,7 +58,16 @@ async def _add_run(
         ):
             await conn.execute(
                 insert(Completion).values(
-                    **{"run_id": run_id, "seq": seq, "policy": policy, "policy_step": 0, "status": "ok", **c}
+                    **{
+                        "run_id": run_id,
+                        "seq": seq,
+                        "policy": policy,
+                        "policy_step": 0,
+                        "status": "ok",
+                        # made before the reward, as served (only those are trained: issue 22)
+                        "created_at": now - timedelta(seconds=completed_ago + 1),
+                        **c,
+                    }
                 )
             )
 

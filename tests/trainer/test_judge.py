@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -130,11 +131,13 @@ async def play_group(base: str, policy: str, group: str, n: int = 4) -> list[str
                 extra_headers={"X-Run-Id": run_id, "X-Group-Id": group},
             )
             # both forms of the contract: the complete route, and a reward body asking for the judge
+            # one rubric per group (issue 22): every run of the group names the same one
             if i % 2 == 0:
-                body = {"rubric": "Longer words are better."} if i == 0 else {}
+                body = {"rubric": "Longer words are better."}
                 resp = await http.post(f"/v1/runs/{run_id}/complete", json=body)
             else:
-                resp = await http.post(f"/v1/runs/{run_id}/reward", json={"judge": True})
+                body = {"judge": True, "rubric": "Longer words are better."}
+                resp = await http.post(f"/v1/runs/{run_id}/reward", json=body)
             assert resp.status_code == 200, resp.text
             assert resp.json() == {"run_id": run_id, "reward": None, "judge": True, "stored": True}
             run_ids.append(run_id)
@@ -182,7 +185,7 @@ def test_parse_scores_rejects_malformed_answers(text: str) -> None:
 
 def test_long_trajectories_keep_their_start_and_end() -> None:
     text = render_trajectory([{"role": "user", "content": "TASK" + "x" * 5000 + "ANSWER"}], 1000)
-    assert len(text) < 1100 and "TASK" in text and text.endswith("ANSWER") and "left out" in text
+    assert len(text) < 1100 and "TASK" in text and text.endswith('ANSWER"') and "left out" in text
 
 
 # ---------------------------------------------------------------------------------------- end to end
@@ -207,14 +210,15 @@ async def test_judged_group_is_trained_on_the_judges_scores(tiny_model_dir: Path
         assert [g[1] for g in got] == [0.9, 0.1, 0.5, 0.0]
         assert {(g[2], g[4], g[5]) for g in got} == {("judge", "trained", 1)}
         assert [g[3] for g in got] == ["reason 1", "reason 2", "reason 3", "reason 4"]
-        assert [g[6] for g in got] == ["Longer words are better.", None, None, None]
+        assert [g[6] for g in got] == ["Longer words are better."] * 4
         step = rows(db, "SELECT num_runs, mean_reward FROM training_steps")[0]
         assert step == (4, pytest.approx(0.375))
         # the judge was asked twice, with the run's rubric, every trajectory, and JSON mode
         assert len(stub.requests) == 2
         shown = stub.requests[0]["messages"]
         assert "Longer words are better." in shown[0]["content"]
-        assert all(f'<trajectory id="{i}">' in shown[1]["content"] for i in range(1, 5))
+        nonce = re.search(r"<trajectory-([0-9a-f]{16}) id=", shown[1]["content"]).group(1)
+        assert all(f'<trajectory-{nonce} id="{i}">' in shown[1]["content"] for i in range(1, 5))
         assert shown[1]["content"].count("Task A: say a word.") == 4
         assert stub.requests[0]["response_format"] == {"type": "json_object"}
         # greedy first, then sampled: a greedy judge would repeat its malformed answer
@@ -346,7 +350,7 @@ async def test_judge_always_replaces_app_rewards(engine: Any, add_run: Any) -> N
         ("a-1", "judge", {"app_reward": 0.0}),
     ]
     assert stub.requests[0]["model"] == "judge-model"
-    assert "[assistant] 3" in stub.requests[0]["messages"][1]["content"]
+    assert '[assistant] "3"' in stub.requests[0]["messages"][1]["content"]
 
 
 async def test_unreachable_judge_leaves_the_group_waiting(engine: Any, add_run: Any) -> None:

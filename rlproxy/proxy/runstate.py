@@ -1,0 +1,143 @@
+"""Which runs are closed: a run past `open` takes no more turns into its reward (issue 22, case 2).
+
+A run is *closed* once its reward (or its request for the judge's) is stored: it is then
+`completed`, `trained`, `validated`, `skipped`, `failed` or `ungrouped`. (`expired` is not closed:
+it never had a reward and a late one still lands.) The hot path asks `RunState.admit` once per
+request, which decides the run the turn joins:
+
+    X-Run-Id (or /runs/{id}/v1) of a closed run            -> 409 `run_closed` (OpenAI's error shape)
+    previous_response_id of a closed run, no run key        -> served and stored outside any run
+                                                               (run_id NULL: visible, never trained)
+    previous_response_id of run A with a run key B != A     -> 409 `previous_response_run_mismatch`:
+                                                               a response id never copies one run's
+                                                               conversation into another run
+
+Why 409 rather than a new run: the app named the run and will post its reward by that id; a
+silently made new run would be one the app cannot reward. A chained Responses call that names no
+run inherited the run of its previous response; that run is over, so the turn is served (the
+conversation goes on for its user) but belongs to no run and is never trained.
+
+No database round trip per request: the state keeps two bounded LRU sets in memory, runs known
+open and runs known closed. A run is looked up in the store the first time this replica sees it
+(one primary-key read per run, not per request); the reward route closes a run here as soon as its
+reward is stored (`close`); and `poll` reads every `run_state_poll_interval` seconds the ids of the
+runs closed since its last look on any replica (a multi-writer PostgreSQL: a reward on replica B
+closes the run for replica A too, within one interval). A turn that slips in within that window is
+stored, and never trained with that reward: the trainer takes only completions created before it
+(storage/training.py `load_runs`). A store that cannot answer the lookup in `LOOKUP_TIMEOUT_S`
+leaves the run open (capture never breaks the user's response; the trainer's rule still holds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from datetime import UTC, datetime, timedelta
+
+from rlproxy.errors import APIError
+from rlproxy.storage import queries
+from rlproxy.storage.errors import RunClosed
+
+log = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 1.0  # a store slower than this for a primary-key read leaves the run open
+SKEW_S = 5.0  # the poll reads back this much before its last look (replicas' clocks, slow commits)
+
+
+class _LRU:
+    """A bounded set with least-recently-used eviction."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._d: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        if key in self._d:
+            self._d.move_to_end(key)
+            return True
+        return False
+
+    def add(self, key: str) -> None:
+        self._d[key] = None
+        self._d.move_to_end(key)
+        while len(self._d) > self.capacity:
+            self._d.popitem(last=False)
+
+    def discard(self, key: str) -> None:
+        self._d.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class RunState:
+    """The closed runs this replica knows of (see the module doc)."""
+
+    def __init__(self, engine, *, poll_interval: float = 1.0, capacity: int = 100_000) -> None:
+        self.engine = engine
+        self.poll_interval = poll_interval
+        self.open = _LRU(capacity)
+        self.closed = _LRU(capacity)
+        self.lookups = 0  # store reads made (tests: at most one per run, not one per request)
+        self.refused = 0  # turns refused (409) or moved out of a closed run
+
+    def close(self, run_id: str) -> None:
+        """The reward route stored a reward (or a judge request) for `run_id`."""
+        self.open.discard(run_id)
+        self.closed.add(run_id)
+
+    async def is_closed(self, run_id: str) -> bool:
+        if run_id in self.closed:
+            return True
+        if run_id in self.open:
+            return False
+        self.lookups += 1
+        try:
+            closed = run_id in await asyncio.wait_for(
+                queries.closed_runs(self.engine, [run_id]), LOOKUP_TIMEOUT_S
+            )
+        except Exception as exc:  # a slow or failing store: leave the run open (module doc)
+            log.warning("run state: could not look run %r up (%s); it stays open", run_id, exc)
+            return False
+        (self.closed if closed else self.open).add(run_id)
+        return closed
+
+    async def admit(self, run_id: str | None, inherited: str | None = None) -> str | None:
+        """The run a turn joins: `run_id` is its own run key (X-Run-Id or the path), `inherited` the
+        run of the response its `previous_response_id` names. Raises 409 as the module doc says."""
+        if run_id is not None:
+            if inherited is not None and inherited != run_id:
+                self.refused += 1
+                raise APIError(
+                    409,
+                    f"previous_response_id names a response of another run than {run_id!r}: continue "
+                    "a conversation in its own run (send no run key, or that run's key)",
+                    param="previous_response_id",
+                    code="previous_response_run_mismatch",
+                )
+            if await self.is_closed(run_id):
+                self.refused += 1
+                raise RunClosed(run_id)
+            return run_id
+        if inherited is not None and await self.is_closed(inherited):
+            self.refused += 1
+            log.info("a turn continuing closed run %r is served outside any run", inherited)
+            return None
+        return inherited
+
+    async def poll(self) -> None:
+        """Forever: learn the runs closed on other replicas since the last look (module doc)."""
+        since = datetime.now(UTC) - timedelta(seconds=SKEW_S)
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            started = datetime.now(UTC)
+            try:
+                for run_id in await queries.closed_since(self.engine, since):
+                    if run_id in self.open:  # only runs this replica serves: memory stays bounded
+                        self.close(run_id)
+                since = started - timedelta(seconds=SKEW_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("run state: could not read the closed runs (%s)", exc)
