@@ -113,7 +113,7 @@ def make_judge(settings: Settings, backend: Backend, metrics: Any = None) -> Any
     )
 
     def upstream() -> tuple[str, str, str | None]:  # known once the backend has started
-        return f"{backend.base_url}/v1", backend.served_model, getattr(backend, "api_key", None)
+        return f"{backend.base_url}/v1", backend.served_model, backend.api_key
 
     return Judge(
         config,

@@ -111,9 +111,9 @@ def create_app(state: ProxyState) -> FastAPI:
             await state.policies.reload(backend, state.engine)
             # one forward.Upstream, or upstreams.Upstreams over several replicas (`--upstream` repeated)
             upstream = await upstreams.open_upstream(
-                getattr(backend, "base_urls", None) or (backend.base_url,),
+                backend.base_urls,
                 settings,
-                api_key=getattr(backend, "api_key", None),  # the engine's secret, if it has one
+                api_key=backend.api_key,  # the engine's secret, if it has one
                 restore=upstreams.restorer(backend, state.engine),
             )
             state.upstream = upstream

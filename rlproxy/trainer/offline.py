@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from rlproxy.errors import ConfigError, TrainerError
-from rlproxy.inference.backend import adapter_name, parse_adapter_name
+from rlproxy.inference.backend import Backend, parse_adapter_name
 from rlproxy.storage.db import create_engine
 from rlproxy.storage.leader import LeaderLock
 from rlproxy.storage.lineage import PolicyExists, start_policy, step_adapter
-from rlproxy.storage.training import commit_step, forget_adapter_paths, latest_step, load_runs
-from rlproxy.storage.validation import best_step
+from rlproxy.storage.training import commit_step, latest_step, load_runs
 from rlproxy.trainer import checkpoint as ckpt
 from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.publish import publish_step
 from rlproxy.trainer.service import STEPS_LOCK, resolved_config
 from rlproxy.trainer.step import step_columns
 
@@ -109,7 +109,7 @@ async def _start(
     src: Path,
     *,
     kind: str,
-    backend: Any = None,
+    backend: Backend | None = None,
     parent: str | None = None,
     parent_step: int | None = None,
     init_adapter: str | None = None,
@@ -123,9 +123,8 @@ async def _start(
         origin = {"parent": parent, "parent_step": parent_step, "init_adapter": init_adapter}
         state = {"kind": kind, "run_ids": [], "config": resolved_config(config), **origin}
         saved = await asyncio.to_thread(ckpt.copy_checkpoint, src, config.checkpoint_dir, policy, 1, state)
-        try:
-            if backend is not None:
-                await backend.load_adapter(adapter_name(policy, 1), str(saved.path))
+
+        async def commit() -> None:
             await start_policy(
                 engine,
                 policy=policy,
@@ -134,9 +133,8 @@ async def _start(
                 config=state["config"],
                 **origin,
             )
-        except BaseException:
-            ckpt.discard(saved)
-            raise
+
+        await publish_step(saved, commit, engine=engine, config=config, backend=backend, prune=False)
         return saved
     finally:
         await lock.release()
@@ -144,7 +142,7 @@ async def _start(
 
 
 async def fork_policy(
-    db_url: str, config: TrainerConfig, source: str, new_policy: str, backend: Any = None
+    db_url: str, config: TrainerConfig, source: str, new_policy: str, backend: Backend | None = None
 ) -> ckpt.Checkpoint:
     """`rlproxy fork POLICY@N NEW`: NEW's step 1 is POLICY's step N (adapter and optimizer state)."""
     parsed = parse_adapter_name(source)
@@ -174,7 +172,7 @@ async def init_policies(
     adapter_dir: str,
     model_path: str,
     max_lora_rank: int,
-    backend: Any = None,
+    backend: Backend | None = None,
 ) -> list[str]:
     """`--init-adapter DIR`: each of `policies` without a step starts from DIR (step 1, kind init);
     policies with steps keep them. Returns the policies started."""
@@ -246,7 +244,7 @@ async def run_sft(
     file: str | None = None,
     epochs: int = 1,
     batch_size: int = 16,
-    backend: Any = None,
+    backend: Backend | None = None,
 ) -> dict[str, Any]:
     """`rlproxy sft`: train the policy's newest adapter on the examples, publish it as the next step."""
     from rlproxy.trainer.model import load_policy
@@ -293,7 +291,7 @@ async def run_sft(
         if result.metrics["step/skipped_nonfinite"]:
             raise TrainerError("an SFT optimizer step had a non-finite loss or gradient: nothing published")
 
-        # 3. checkpoint, then load into the backend, then commit (the same order as a trainer step)
+        # 3. checkpoint (publish_step below then loads it, commits it, prunes: as a trainer step does)
         step = db_step + 1
         source = {"sft_where": where, "sft_file": file, "sft_epochs": epochs, "sft_batch_size": batch_size}
         state = {
@@ -308,9 +306,8 @@ async def run_sft(
         saved = await asyncio.to_thread(
             ckpt.save_checkpoint, config.checkpoint_dir, policy, step, model, optimizer, state
         )
-        try:
-            if backend is not None:
-                await backend.load_adapter(adapter_name(policy, step), str(saved.path))
+
+        async def commit() -> None:
             await commit_step(
                 engine,
                 policy=policy,
@@ -325,17 +322,9 @@ async def run_sft(
                 config=state["config"],
                 columns={**step_columns(result.metrics), "kind": "sft"},
             )
-        except BaseException:
-            ckpt.discard(saved)
-            raise
 
-        # 4. prune like a trainer step (the best checkpoint by validation reward stays)
-        best = await best_step(engine, policy, min_runs=config.val_min_runs)
-        protect = (best,) if best is not None and config.keep_best else ()
-        pruned = await asyncio.to_thread(
-            ckpt.prune, config.checkpoint_dir, policy, config.keep_checkpoints, protect
-        )
-        await forget_adapter_paths(engine, policy, pruned)
+        # 4. through the one door: load, commit, prune like a trainer step (the best checkpoint stays)
+        await publish_step(saved, commit, engine=engine, config=config, backend=backend)
         log.info(
             "SFT step %d of %s: loss %.4f over %d examples", step, policy, result.loss, result.num_examples
         )

@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from rlproxy.errors import AdapterError
 from rlproxy.inference.backend import Backend, adapter_name
 from rlproxy.storage.db import create_engine
 from rlproxy.storage.errors import StepConflict
@@ -46,7 +45,6 @@ from rlproxy.storage.training import (
     RunData,
     StatusReason,
     commit_step,
-    forget_adapter_paths,
     latest_step,
     load_runs,
     mark_runs,
@@ -56,11 +54,11 @@ from rlproxy.storage.training import (
     ungroup_runs,
     ungrouped_batch,
 )
-from rlproxy.storage.validation import best_step
 from rlproxy.trainer import checkpoint as ckpt
 from rlproxy.trainer.batches import usable
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.model import load_policy
+from rlproxy.trainer.publish import publish_step, unload_quietly
 from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
 from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, step_columns, train_step
 
@@ -441,11 +439,12 @@ class TrainerService:
         started_at: datetime | None,
         kind: str = "grpo",
     ) -> None:
-        """Backend first (so the alias never points at a missing adapter), then the commit, then the alias."""
+        """Through the one door (trainer/publish.py): load into every replica, commit (exactly once),
+        flip the alias, prune; then the adapter keep_checkpoints steps back is unloaded after
+        unload_grace seconds."""
         policy, step = saved.policy, saved.step
-        name = adapter_name(policy, step)
-        await self.backend.load_adapter(name, str(saved.path))
-        try:
+
+        async def commit() -> None:
             await commit_step(
                 self._db(),
                 policy=policy,
@@ -461,36 +460,29 @@ class TrainerService:
                 config=resolved_config(self.config),
                 columns={**step_columns(result.metrics), "kind": kind},
             )
+
+        try:
+            await publish_step(
+                saved,
+                commit,
+                engine=self._db(),
+                config=self.config,
+                backend=self.backend,
+                on_publish=self.on_publish,
+                # the step belongs to nobody: forget its weights and its adapter, keep the last committed
+                # ones; any other failure keeps the checkpoint for recovery
+                discard_on=StepConflict,
+            )
         except StepConflict:
-            # the step belongs to nobody: forget its weights and its adapter, keep the last committed ones
             self._learners.pop(policy, None)
-            ckpt.discard(saved)
-            await self._unload(name, 0)
             raise
-        if self.on_publish is not None:
-            await self.on_publish(policy, step)
-        # deleting old checkpoint folders is disk work: off the event loop; their rows then name no folder
-        # the best adapter by validation reward stays too (keep_best; storage/validation.py)
-        best = await best_step(self._db(), policy, min_runs=self.config.val_min_runs)
-        protect = (best,) if best is not None and self.config.keep_best else ()
-        pruned = await asyncio.to_thread(
-            ckpt.prune, self.config.checkpoint_dir, policy, self.config.keep_checkpoints, protect
-        )
-        await forget_adapter_paths(self._db(), policy, pruned)
         old = step - self.config.keep_checkpoints
         if old >= 1:
-            task = asyncio.create_task(self._unload(adapter_name(policy, old), self.config.unload_grace))
+            task = asyncio.create_task(
+                unload_quietly(self.backend, adapter_name(policy, old), self.config.unload_grace)
+            )
             self._unloads.add(task)
             task.add_done_callback(self._unloads.discard)
-
-    async def _unload(self, name: str, delay: float) -> None:
-        # in-flight requests on the old adapter get `unload_grace` seconds to finish
-        await asyncio.sleep(delay)
-        try:
-            await self.backend.unload_adapter(name)
-        except AdapterError as exc:
-            if exc.status != 404:
-                log.warning("could not unload adapter %s: %s", name, exc)
 
     # ------------------------------------------------------------------ recovery
 
