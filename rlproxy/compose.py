@@ -33,6 +33,7 @@ from rlproxy.proxy.app import ProxyState, create_app
 from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
 from rlproxy.proxy.guard import Guard, allowed_host_names, is_loopback
+from rlproxy.proxy.hosted import parse_hosted, provider_models
 from rlproxy.proxy.limits import Limits
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies
@@ -127,7 +128,16 @@ def init_targets(settings: Settings, default_policy: str) -> list[str]:
     """The policies `--init-adapter` starts: the default policy and the model map's."""
     from rlproxy.proxy.policies import parse_model_map
 
-    return list(dict.fromkeys([default_policy, *parse_model_map(settings.model_map).values()]))
+    hosted = _hosted_specs(settings)  # a hosted provider's policy has no adapter to start
+    names = dict.fromkeys([default_policy, *parse_model_map(settings.model_map).values()])
+    return [p for p in names if p not in hosted]
+
+
+def _hosted_specs(settings: Settings) -> dict[str, Any]:
+    """The policies served by hosted, text-only upstreams (proxy/hosted.py), by policy."""
+    return parse_hosted(
+        settings.hosted_upstreams, settings.hosted_models, settings.hosted_api_keys, settings.upstream_api_key
+    )
 
 
 async def init_adapter(settings: Settings, backend: Backend, default_policy: str) -> list[str]:
@@ -172,7 +182,8 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
         base_model = backend.served_model
     except Exception:
         base_model = settings.model
-    policies = Policies(base_model, settings.model_map)
+    hosted_specs = _hosted_specs(settings)  # policies on hosted providers (text only)
+    policies = Policies(base_model, settings.model_map, provider_models(hosted_specs))
     gate = TrainGate(settings.blocking_train)
     metrics = Metrics()
 
@@ -200,6 +211,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
         gate=gate,
         metrics=metrics,
         services=tuple(services),
+        hosted_specs=hosted_specs,
     )
 
     api = create_app(state)

@@ -132,6 +132,33 @@ def score(
     return round(reward, 6), metrics
 
 
+_ASKED = re.compile(r"extensions of (\w+) and (\w+)\?")
+
+
+def expert(body: dict[str, Any]) -> dict[str, Any]:
+    """The scripted teacher (demo/provider.py serves it as a stand-in for a hosted model): look up
+    each person the question names, one call per reply, then answer with what the lookups said."""
+    messages = body.get("messages") or []
+    asked = next((_ASKED.search(str(m.get("content"))) for m in messages if m.get("role") == "user"), None)
+    people = asked.groups() if asked else ()
+    found: dict[str, str] = {}
+    for m in messages:
+        if m.get("role") == "tool":
+            try:
+                result = json.loads(m.get("content") or "{}")
+            except ValueError:
+                continue
+            if isinstance(result, dict) and "extension" in result:
+                found[str(result.get("name"))] = str(result["extension"])
+    for person in people:
+        if person not in found:
+            arguments = json.dumps({"name": person})
+            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": "lookup", "arguments": arguments}}  # fmt: skip
+            return {"role": "assistant", "content": None, "tool_calls": [call]}
+    return {"role": "assistant", "content": ", ".join(f"{p}: {found[p]}" for p in people)}
+
+
 @dataclass
 class Episode:
     run_id: str

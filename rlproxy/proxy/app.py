@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 
 from rlproxy.inference.backend import Backend
-from rlproxy.proxy import errors
+from rlproxy.proxy import errors, hosted
 from rlproxy.proxy.gate import TrainGate
 from rlproxy.proxy.inflight import InFlight
 from rlproxy.proxy.metrics import Metrics
@@ -47,6 +47,9 @@ class ProxyState:
     # forward.Upstream sends itself: the backend's `api_key`)
     drop_headers: frozenset[bytes] = frozenset({b"authorization"})
     services: tuple = ()  # started after the backend, stopped before it (the trainer)
+    # policies on hosted, text-only upstreams (proxy/hosted.py): declared by the root, opened here
+    hosted_specs: dict = field(default_factory=dict)
+    hosted: object = None  # hosted.HostedUpstreams, or None when no policy is hosted
 
 
 async def _expire_loop(engine, older_than_s: float) -> None:
@@ -117,6 +120,8 @@ def create_app(state: ProxyState) -> FastAPI:
                 restore=upstreams.restorer(backend, state.engine),
             )
             state.upstream = upstream
+            if state.hosted_specs:
+                state.hosted = hosted.open_hosted(state.hosted_specs, settings)
             if isinstance(upstream, upstreams.Upstreams):
                 state.metrics.attach_upstreams(upstream)
             poll = state.policies.poll(state.engine, settings.policy_poll_interval, backend)  # replicas
@@ -146,6 +151,8 @@ def create_app(state: ProxyState) -> FastAPI:
                     await task
             if upstream is not None:
                 await upstream.aclose()
+            if state.hosted is not None:
+                await state.hosted.aclose()
             try:
                 await backend.stop()
             finally:

@@ -127,6 +127,8 @@ class TrainerService:
         self.last_metrics: dict[str, Any] | None = None
         self._next_notice = 0.0  # time.monotonic() before which the singletons warning stays quiet
         self._flat_groups = 0  # zero-variance groups skipped since the last committed step
+        self.hosted_skipped = 0  # runs a hosted upstream answered, skipped (never GRPO samples), in all
+        self._hosted_since = 0  # ... since the last committed step (its data/hosted_runs_skipped)
         # trackers named in report_to (a missing package is a ConfigError here, before serving starts)
         self.reporter = MetricsReporter(
             parse_report_to(config.report_to), config.metrics_log_dir, resolved_config(config)
@@ -277,7 +279,7 @@ class TrainerService:
             # 4. publish: backend.load_adapter -> commit (exactly once) -> on_publish flips the alias
             result.metrics["perf/step_seconds"] = time.perf_counter() - t0
             await self._publish(saved, run_ids, result, started_at)
-            self._flat_groups = 0
+            self._flat_groups = self._hosted_since = 0
             self._log_progress(policy, step, result, time.perf_counter() - t0)
             await self._report(policy, step, result)
             out = {"policy": policy, "step": step, "adapter_path": str(saved.path), **result.metrics}
@@ -334,6 +336,23 @@ class TrainerService:
         """The runs of the next step with their completions; runs with nothing usable become `failed`."""
         while groups := await self._select():
             runs = await load_runs(self._db(), [rid for g in groups for rid in g.run_ids])
+            hosted = [
+                r.run_id for r in runs if r.completions and all(c.source == "hosted" for c in r.completions)
+            ]
+            if (
+                hosted
+            ):  # a hosted provider's text: SFT/distillation data (rlproxy sft --from-policy), not GRPO
+                n = await mark_runs(self._db(), hosted, RunStatus.skipped, StatusReason.hosted)
+                self.hosted_skipped += n
+                self._hosted_since += n  # in the next step's metrics: data/hosted_runs_skipped
+                log.info(
+                    "skipped %d run(s) answered by a hosted upstream (no token ids: not GRPO samples; "
+                    "distill them with `rlproxy sft --from-policy`)",
+                    n,
+                )
+                runs = [r for r in runs if r.run_id not in set(hosted)]
+                if not runs:
+                    continue
             empty = [r.run_id for r in runs if not any(usable(c) for c in r.completions)]
             if not empty:
                 return runs
@@ -548,6 +567,7 @@ class TrainerService:
         flat_here = r.metrics.get("reward/frac_zero_std", 0.0) * r.num_groups
         seen = self._flat_groups + r.num_groups
         return {
+            "data/hosted_runs_skipped": float(self._hosted_since),
             "reward/groups_skipped": float(self._flat_groups),
             "reward/zero_variance_frac": (self._flat_groups + flat_here) / seen if seen else 0.0,
         }
