@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -205,31 +206,63 @@ async def init_policies(
 # --------------------------------------------------------------------------------------------- SFT
 
 
-async def sft_examples(db_url: str, tokenizer: Any, *, where: str | None, file: str | None) -> list[Any]:
-    """The examples of `rlproxy sft`: the runs `where` selects (exact tokens) or the chats of `file`."""
+async def sft_examples(
+    db_url: str,
+    tokenizer: Any,
+    *,
+    where: str | None,
+    file: str | None,
+    from_policy: str | None = None,
+    min_reward: float | None = None,
+) -> list[Any]:
+    """The examples of `rlproxy sft`: the runs `where` selects (exact tokens), the chats of `file`,
+    or (`from_policy`) that policy's conversations rendered with the student's template (distillation:
+    a hosted teacher's rows have no tokens). Runs of split `val` are never trained; `min_reward`
+    keeps only runs rewarded at least that."""
     from rlproxy.trainer import sft
 
-    if (where is None) == (file is None):
-        raise ConfigError("give one of --where (SQL over the trajectories view) and --file (chat JSONL)")
     if file is not None:
+        if where is not None or from_policy is not None or min_reward is not None:
+            raise ConfigError(
+                "--file takes no --where, --from-policy or --min-reward (they select stored runs)"
+            )
         return [sft.chat_example(tokenizer, c["messages"], c.get("tools")) for c in sft.read_chats(file)]
+    if where is None and from_policy is None:
+        raise ConfigError("give one of --where (SQL over the trajectories view) and --file (chat JSONL)")
     from sqlalchemy import text
 
     from rlproxy.storage.queries import open_readonly
 
+    runs_sql = "SELECT id FROM runs WHERE split = 'train'"  # never a validation run
+    params: dict[str, Any] = {}
+    if from_policy is not None:
+        runs_sql += " AND policy = :from_policy"
+        params["from_policy"] = from_policy
+    if min_reward is not None:
+        runs_sql += " AND reward >= :min_reward"
+        params["min_reward"] = min_reward
+    sql = f"SELECT run_id FROM trajectories WHERE run_id IN ({runs_sql})"
+    if where is not None:
+        sql += f" AND ({where})"
     engine = await open_readonly(db_url)  # `where` is the operator's SQL: it may read, never write
     try:
         async with engine.connect() as conn:
-            ids = [
-                r[0]
-                for r in (await conn.execute(text(f"SELECT run_id FROM trajectories WHERE {where}"))).all()
-            ]
+            ids = [r[0] for r in (await conn.execute(text(sql), params)).all()]
         runs = await load_runs(engine, ids) if ids else []
     finally:
         await engine.dispose()
+    what = " ".join(
+        f"{k} {v!r}" for k, v in (("--from-policy", from_policy), ("--where", where)) if v is not None
+    )
+    if from_policy is not None:
+        examples, _ = sft.distill_examples(tokenizer, runs)
+        if not examples:
+            raise ConfigError(f"{what} selects {len(ids)} train run(s) with no conversation to learn")
+        log.info("distilling %d conversation(s) of %d run(s) of %s", len(examples), len(runs), from_policy)
+        return examples
     examples = sft.run_examples(runs)
     if not examples:
-        raise ConfigError(f"--where {where!r} selects {len(ids)} run(s) with no stored tokens to learn")
+        raise ConfigError(f"{what} selects {len(ids)} train run(s) with no stored tokens to learn")
     log.info("SFT on %d completion(s) of %d run(s)", len(examples), len(runs))
     return examples
 
@@ -245,8 +278,15 @@ async def run_sft(
     epochs: int = 1,
     batch_size: int = 16,
     backend: Backend | None = None,
+    from_policy: str | None = None,
+    min_reward: float | None = None,
+    into: str | None = None,
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
-    """`rlproxy sft`: train the policy's newest adapter on the examples, publish it as the next step."""
+    """`rlproxy sft`: train the policy's newest adapter on the examples, publish it as the next step.
+
+    `into` NEW: publish as step 1 of a new policy NEW instead (the policy's traffic stays where it is
+    until the user routes an app to NEW: the model map). `on_step(done, total, metrics)`: progress."""
     from rlproxy.trainer.model import load_policy
     from rlproxy.trainer.sft import train_sft
     from rlproxy.trainer.step import make_optimizer
@@ -269,7 +309,15 @@ async def run_sft(
         optimizer = make_optimizer(model, config)
         if last is not None:
             ckpt.load_optimizer(last, optimizer)
-        examples = await sft_examples(db_url, tokenizer, where=where, file=file)
+        examples = await sft_examples(
+            db_url, tokenizer, where=where, file=file, from_policy=from_policy, min_reward=min_reward
+        )
+        target = into or policy
+        if into is not None and into != policy:
+            if parse_adapter_name(into) is not None or not into.strip():
+                raise ConfigError(f"{into!r}: the new policy needs a name without @")
+            if await latest_step(engine, into) > 0:
+                raise ConfigError(f"policy {into!r} already has steps; pick a new name for --into")
         started_at = datetime.now(UTC)
 
         # 2. train: epochs over the examples (torch, off the event loop)
@@ -285,6 +333,7 @@ async def run_sft(
                 epochs=epochs,
                 batch_size=batch_size,
                 seed=config.seed,
+                on_step=on_step,
             )
 
         result = await asyncio.to_thread(train)
@@ -292,8 +341,16 @@ async def run_sft(
             raise TrainerError("an SFT optimizer step had a non-finite loss or gradient: nothing published")
 
         # 3. checkpoint (publish_step below then loads it, commits it, prunes: as a trainer step does)
-        step = db_step + 1
-        source = {"sft_where": where, "sft_file": file, "sft_epochs": epochs, "sft_batch_size": batch_size}
+        step = db_step + 1 if target == policy else 1
+        source = {
+            "sft_where": where,
+            "sft_file": file,
+            "sft_epochs": epochs,
+            "sft_batch_size": batch_size,
+            "sft_from_policy": from_policy,
+            "sft_min_reward": min_reward,
+            "sft_parent": f"{policy}@{db_step}" if target != policy else None,
+        }
         state = {
             "kind": "sft",
             "run_ids": [],
@@ -304,13 +361,13 @@ async def run_sft(
             "started_at": started_at.isoformat(),
         }
         saved = await asyncio.to_thread(
-            ckpt.save_checkpoint, config.checkpoint_dir, policy, step, model, optimizer, state
+            ckpt.save_checkpoint, config.checkpoint_dir, target, step, model, optimizer, state
         )
 
         async def commit() -> None:
             await commit_step(
                 engine,
-                policy=policy,
+                policy=target,
                 step=step,
                 run_ids=[],
                 adapter_path=str(saved.path),
@@ -326,9 +383,9 @@ async def run_sft(
         # 4. through the one door: load, commit, prune like a trainer step (the best checkpoint stays)
         await publish_step(saved, commit, engine=engine, config=config, backend=backend)
         log.info(
-            "SFT step %d of %s: loss %.4f over %d examples", step, policy, result.loss, result.num_examples
+            "SFT step %d of %s: loss %.4f over %d examples", step, target, result.loss, result.num_examples
         )
-        return {"policy": policy, "step": step, "adapter_path": str(saved.path), **result.metrics}
+        return {"policy": target, "step": step, "adapter_path": str(saved.path), **result.metrics}
     finally:
         await lock.release()
         await engine.dispose()

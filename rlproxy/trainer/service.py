@@ -243,6 +243,8 @@ class TrainerService:
                 if result.skipped:  # weights and optimizer untouched: nothing to save or publish
                     return await self._skipped(policy, run_ids, result)
                 result.metrics.update(self._selection_metrics(result))
+                if self._hosted_since:  # hosted runs seen since the last step: said, not silently dropped
+                    result.metrics["data/hosted_runs_skipped"] = float(self._hosted_since)
                 # 3. checkpoint: adapter + optimizer + trainer state, atomically, before any publishing
                 state = {
                     "run_ids": run_ids,
@@ -567,7 +569,6 @@ class TrainerService:
         flat_here = r.metrics.get("reward/frac_zero_std", 0.0) * r.num_groups
         seen = self._flat_groups + r.num_groups
         return {
-            "data/hosted_runs_skipped": float(self._hosted_since),
             "reward/groups_skipped": float(self._flat_groups),
             "reward/zero_variance_frac": (self._flat_groups + flat_here) / seen if seen else 0.0,
         }

@@ -44,8 +44,15 @@ async def test_hosted_runs_skipped_and_counted(
     try:
         assert await svc.step_once() is None  # nothing to train: no fake step, no rebuilt samples
         assert svc.hosted_skipped == 2 and svc.steps_done == 0
+        # the next real step says how many hosted runs were left out since the last one
+        for i, reward in enumerate([1.0, 0.0]):
+            await add_run(engine, f"s{i}", group_id="stu", policy="tiny", reward=reward)
+        metrics = await svc.step_once()
+        assert metrics is not None and metrics["data/hosted_runs_skipped"] == 2.0
     finally:
         await svc.stop()
     async with engine.connect() as conn:
-        rows = (await conn.execute(text("SELECT status, status_reason FROM runs ORDER BY id"))).all()
+        rows = (
+            await conn.execute(text("SELECT status, status_reason FROM runs WHERE policy = 'teacher'"))
+        ).all()
     assert rows == [("skipped", "hosted"), ("skipped", "hosted")]
