@@ -541,11 +541,28 @@ def demo(
         float | None, typer.Option(min=0, help="AdamW learning rate; default: serve's (by model size)")
     ] = None,
     seed: Annotated[int, typer.Option(help="seed of the trainer and of the agent's sampling")] = 0,
+    teacher: Annotated[
+        bool,
+        typer.Option(
+            help="directory task from a hosted teacher: capture its episodes, distill the student, "
+            "then RL (three rungs: base, after SFT, after RL)"
+        ),
+    ] = False,
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
     from rlproxy.demo.run import TASKS, run_demo
 
     _logging("warning")
+    if teacher:
+        if task != "directory":
+            raise typer.BadParameter("--teacher runs the directory task: add --task directory")
+        from rlproxy.demo.distill import run_distill_demo
+
+        run_distill_demo(
+            minutes=minutes, model=model, out_dir=out_dir, fast=fast, seed=seed, group_size=group_size,
+            learning_rate=learning_rate, echo=typer.echo,
+        )  # fmt: skip
+        return
     summary = run_demo(
         minutes=minutes,
         model=model,

@@ -186,10 +186,13 @@ def play_episode(
     temperature: float = TEMPERATURE,
     max_tokens: int = MAX_TOKENS,
     seed: int | None = None,
+    split: str | None = None,
 ) -> Episode:
-    """The agent loop: call the model, run its tool call, repeat; ends on an answer or MAX_CALLS."""
+    """The agent loop: call the model, run its tool call, repeat; ends on an answer or MAX_CALLS.
+    `split="val"` makes it a validation run (served and stored, never trained: the demo's rungs)."""
     run_id = f"dir-{uuid.uuid4().hex[:16]}"
-    headers = {"X-Run-Id": run_id, "X-Group-Id": group_id}
+    headers = {"X-Run-Id": run_id, "X-Group-Id": group_id, **({"X-Split": split} if split else {})}
+    well_formed = 0  # replies the server parsed into a lookup tool call (the first reward component)
     started = time.monotonic()
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
@@ -214,6 +217,7 @@ def play_episode(
         attempted = attempted or bool(message.tool_calls) or TOOL_OPEN in (message.content or "")
         if message.tool_calls:
             tool_call = message.tool_calls[0]  # one person per call: further calls are not run
+            well_formed += tool_call.function.name == "lookup"
             result, found = (
                 lookup(tool_call.function.arguments)
                 if tool_call.function.name == "lookup"
@@ -248,6 +252,7 @@ def play_episode(
             continue
         break
     reward, metrics = score(people, answer, looked_up, attempted)
+    metrics["well_formed_calls"] = float(well_formed)  # not part of the reward: shown per rung
     return Episode(
         run_id, group_id, reward, replies, metrics, round(time.monotonic() - started, 3), len(replies)
     )
