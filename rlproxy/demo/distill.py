@@ -24,10 +24,8 @@ are split once per seed into teacher, evaluation and RL prompts that never overl
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import random
 import secrets
 import shutil
 import subprocess
@@ -35,7 +33,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +40,7 @@ import httpx
 from openai import OpenAI
 
 from rlproxy.demo import directory
-from rlproxy.demo.number_game import default_model, post_reward
+from rlproxy.demo.number_game import default_model
 from rlproxy.demo.provider import Provider, ProviderServer
 from rlproxy.demo.run import (
     PeakRSS,
@@ -56,6 +53,7 @@ from rlproxy.demo.run import (
     wait_policy_step,
     wait_trained,
 )
+from rlproxy.demo.rungs import COMPONENTS, components, evaluate, line, play, prompt_split, rung
 
 TEACHER = "teacher"
 STUDENT = "student"
@@ -65,63 +63,6 @@ RL_GROUPS = 20  # trainer steps at most after the SFT step
 SFT_EPOCHS = 4
 SFT_BATCH = 8
 SFT_LR = 1e-3  # LoRA r=8 on SmolLM2-135M: the trainer's measured rate for the model size
-COMPONENTS = ("well_formed_call", "correct_lookup", "correct_answer")
-
-
-def prompt_split(seed: int, teacher: int, evaluation: int, rl: int) -> tuple[list, list, list]:
-    """Disjoint lists of (person, person) for the teacher, the rungs and the RL groups."""
-    pairs = list(itertools.permutations(sorted(directory.DIRECTORY), 2))
-    random.Random(seed).shuffle(pairs)
-    if teacher + evaluation + rl > len(pairs):
-        raise ValueError(f"{teacher + evaluation + rl} prompts asked, the directory has {len(pairs)}")
-    return pairs[:teacher], pairs[teacher : teacher + evaluation], pairs[teacher + evaluation :][:rl]
-
-
-def components(episode: directory.Episode) -> dict[str, float]:
-    """One episode's reward components, each in [0, 1]."""
-    m = episode.metrics
-    return {
-        "well_formed_call": float(m.get("well_formed_calls", 0.0) > 0),
-        "correct_lookup": m.get("people_looked_up", 0.0) / 2,
-        "correct_answer": m.get("extensions_found", 0.0) / 2,
-    }
-
-
-def play(
-    client: OpenAI,
-    base_url: str,
-    model: str,
-    pairs: list[tuple[str, str]],
-    *,
-    group_id: str | None = None,
-    split: str | None = None,
-    temperature: float,
-    max_tokens: int,
-    seed: int,
-) -> list[directory.Episode]:
-    """One episode per pair, concurrently (8 at a time), each reward posted."""
-
-    def one(i: int) -> directory.Episode:
-        gid = group_id or f"dir-{uuid.uuid4().hex[:12]}"
-        e = directory.play_episode(
-            client, model, gid, pairs[i], temperature, max_tokens, seed * 1000 + i, split=split
-        )
-        post_reward(base_url, "not-needed", e.run_id, e.reward, e.metrics)
-        return e
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(one, range(len(pairs))))
-
-
-def rung(name: str, episodes: list[directory.Episode], seconds: float) -> dict[str, Any]:
-    comps = [components(e) for e in episodes]
-    out: dict[str, Any] = {"rung": name, "episodes": len(episodes)}
-    out["mean_reward"] = _mean([e.reward for e in episodes])
-    for c in COMPONENTS:
-        out[c] = _mean([x[c] for x in comps])
-    out["seconds"] = round(seconds, 1)
-    out["example"] = episodes[0].replies if episodes else []
-    return out
 
 
 def _sft_command() -> list[str]:
@@ -211,17 +152,17 @@ def run_distill_demo(
                           max_tokens=max_tokens, seed=seed)  # fmt: skip
             timings["teacher"] = round(time.monotonic() - t0, 1)
             teacher_rung = rung("teacher", taught, timings["teacher"])
-            echo(_line(teacher_rung))
+            echo(line(teacher_rung))
 
             # 2. rung base: the student's base model on the fresh prompts
-            rungs.append(_evaluate(client, base, base_policy, "base", eval_pairs, seed, echo))
+            rungs.append(evaluate(client, base, base_policy, "base", eval_pairs, seed, echo))
 
             # 3. distill, as a user would: `rlproxy sft --from-policy teacher --into student`
             t0 = time.monotonic()
             _distill(out, model, base_policy, sft_epochs, sft_lr, threads, env, echo)
             wait_policy_step(http, STUDENT, 1, timeout=120)
             timings["sft"] = round(time.monotonic() - t0, 1)
-            rungs.append(_evaluate(client, base, STUDENT, "sft", eval_pairs, seed, echo))
+            rungs.append(evaluate(client, base, STUDENT, "sft", eval_pairs, seed, echo))
 
             # 4. RL from the distilled adapter on new prompts: one trainer step per group
             deadline = started + minutes * 60
@@ -234,7 +175,7 @@ def run_distill_demo(
                     break
                 rl_rows.append(_rl_group(client, http, base, g, pair, group_size, seed, echo))
             timings["rl"] = round(time.monotonic() - t0, 1)
-            rungs.append(_evaluate(client, base, STUDENT, "rl", eval_pairs, seed, echo))
+            rungs.append(evaluate(client, base, STUDENT, "rl", eval_pairs, seed, echo))
     except KeyboardInterrupt:
         stop_reason = "interrupted"
     finally:
@@ -272,26 +213,6 @@ def run_distill_demo(
     return summary
 
 
-def _line(r: dict[str, Any]) -> str:
-    parts = "  ".join(f"{c} {r[c]:.3f}" for c in COMPONENTS)
-    return (
-        f"rung {r['rung']:>7}: reward {r['mean_reward']:.3f}  {parts}  "
-        f"({r['episodes']} episodes, {r['seconds']:.0f}s)  e.g. {r['example']!r}"
-    )
-
-
-def _evaluate(
-    client: OpenAI, base: str, policy: str, name: str, pairs: list, seed: int, echo: Callable[[str], None]
-) -> dict[str, Any]:
-    """A rung: `policy` on the fresh prompts, as validation runs (never trained)."""
-    t0 = time.monotonic()
-    episodes = play(client, f"{base}/v1", policy, pairs, split="val", temperature=directory.TEMPERATURE,
-                    max_tokens=directory.MAX_TOKENS, seed=seed + 7)  # fmt: skip
-    r = rung(name, episodes, time.monotonic() - t0)
-    echo(_line(r))
-    return r
-
-
 def _distill(
     out: Path,
     model: str,
@@ -310,8 +231,8 @@ def _distill(
     child_env = {**os.environ, **env, "RLPROXY_TRAIN_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env)
     assert proc.stdout is not None
-    for line in proc.stdout:
-        echo("  " + line.rstrip())
+    for out_line in proc.stdout:
+        echo("  " + out_line.rstrip())
     if proc.wait() != 0:
         raise RuntimeError(f"rlproxy sft exited with {proc.returncode}")
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlproxy.demo.distill import COMPONENTS, prompt_split, run_distill_demo
+from rlproxy.demo.distill import run_distill_demo
+from rlproxy.demo.rungs import COMPONENTS, prompt_split
 
 
 def test_prompts_never_overlap() -> None:
@@ -46,3 +47,24 @@ def test_fast_distill_demo(tmp_path: Path, cache_dir: Path, monkeypatch: pytest.
     assert con.execute("SELECT DISTINCT status FROM runs WHERE split = 'val'").fetchall() == [("validated",)]
     steps = con.execute("SELECT policy, step, kind FROM training_steps ORDER BY step").fetchall()
     assert steps[0] == ("student", 1, "sft") and all(s[0] == "student" and s[2] == "grpo" for s in steps[1:])
+
+
+@pytest.mark.timeout(600)
+def test_fast_directory_demo_measures_rungs(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 21: the RL-only directory demo stores the rungs too (base and after RL), each component."""
+    from rlproxy.demo.run import run_demo
+
+    monkeypatch.setenv("RLPROXY_CACHE_DIR", str(cache_dir))
+    summary = run_demo(
+        5, fast=True, task="directory", out_dir=tmp_path / "out", max_groups=2, echo=lambda _: None
+    )
+    assert [r["rung"] for r in summary["rungs"]] == ["base", "rl"]
+    assert all(r["episodes"] == 4 and all(0.0 <= r[c] <= 1.0 for c in COMPONENTS) for r in summary["rungs"])
+    on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert on_disk["rungs"] == summary["rungs"]
+    con = sqlite3.connect(tmp_path / "out" / "rlproxy.db")
+    assert con.execute(
+        "SELECT count(*) FROM runs WHERE split = 'val' AND status != 'validated'"
+    ).fetchone() == (0,)
