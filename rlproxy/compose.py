@@ -34,6 +34,7 @@ from rlproxy.proxy.app import ProxyState, create_app
 from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
 from rlproxy.proxy.guard import Guard, allowed_host_names, is_loopback
+from rlproxy.proxy.hosted import parse_hosted, provider_models
 from rlproxy.proxy.limits import Limits
 from rlproxy.proxy.messages import AnthropicErrors
 from rlproxy.proxy.metrics import Metrics
@@ -118,7 +119,7 @@ def make_judge(settings: Settings, backend: Backend, metrics: Any = None) -> Any
     )
 
     def upstream() -> tuple[str, str, str | None]:  # known once the backend has started
-        return f"{backend.base_url}/v1", backend.served_model, getattr(backend, "api_key", None)
+        return f"{backend.base_url}/v1", backend.served_model, backend.api_key
 
     return Judge(
         config,
@@ -132,7 +133,16 @@ def init_targets(settings: Settings, default_policy: str) -> list[str]:
     """The policies `--init-adapter` starts: the default policy and the model map's."""
     from rlproxy.proxy.policies import parse_model_map
 
-    return list(dict.fromkeys([default_policy, *parse_model_map(settings.model_map).values()]))
+    hosted = _hosted_specs(settings)  # a hosted provider's policy has no adapter to start
+    names = dict.fromkeys([default_policy, *parse_model_map(settings.model_map).values()])
+    return [p for p in names if p not in hosted]
+
+
+def _hosted_specs(settings: Settings) -> dict[str, Any]:
+    """The policies served by hosted, text-only upstreams (proxy/hosted.py), by policy."""
+    return parse_hosted(
+        settings.hosted_upstreams, settings.hosted_models, settings.hosted_api_keys, settings.upstream_api_key
+    )
 
 
 async def init_adapter(settings: Settings, backend: Backend, default_policy: str) -> list[str]:
@@ -192,7 +202,8 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
         base_model = backend.served_model
     except Exception:
         base_model = settings.model
-    policies = Policies(base_model, settings.model_map)
+    hosted_specs = _hosted_specs(settings)  # policies on hosted providers (text only)
+    policies = Policies(base_model, settings.model_map, provider_models(hosted_specs))
     gate = TrainGate(settings.blocking_train)
     metrics = Metrics()
     if hasattr(backend, "metrics_collector"):  # the embedded engine's prefix cache and counters
@@ -232,6 +243,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
         gate=gate,
         metrics=metrics,
         services=tuple(services),
+        hosted_specs=hosted_specs,
     )
     if rollout is not None:
         rollout.state = state

@@ -307,6 +307,24 @@ class Settings(BaseSettings, TrainerConfig):
         "(keeps a step's advantages finite)",
     )
 
+    # --- hosted upstreams (issue 25) ---
+    hosted_upstreams: str = Field(
+        "",
+        description="policies served by a hosted, text-only upstream: comma list `policy=URL` (e.g. "
+        "`teacher=https://api.openai.com/v1`); their requests go as the client wrote them (only `model` "
+        "mapped), rows are stored with token ids NULL and source `hosted` (SFT data, never GRPO samples)",
+    )
+    hosted_models: str = Field(
+        "",
+        description="model name each hosted upstream is asked for: comma list `policy=model` (e.g. "
+        "`teacher=gpt-4o-mini`); a policy not listed gets the client's `model` as written",
+    )
+    hosted_api_keys: str = Field(
+        "",
+        description="per hosted upstream, the environment variable holding its key: comma list "
+        "`policy=ENV_NAME`; a policy not listed sends `upstream_api_key`",
+    )
+
     @field_validator("upstream", mode="before")
     @classmethod
     def _upstream_list(cls, value: object) -> object:

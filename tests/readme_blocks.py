@@ -14,8 +14,9 @@ allowed) by a comment that GitHub does not render:
 Setups (tests/test_readme.py): `open` (no key; `OPENAI_BASE_URL=http://127.0.0.1:PORT/v1`), `key`
 (the proxy started with an agents' key, `OPENAI_API_KEY` set to it), `path` and `path-key` (the same
 with `OPENAI_BASE_URL=http://127.0.0.1:PORT/runs/ep-1/v1`), `db` (no proxy: a working folder whose
-`rlproxy.db` holds a short real run). An untagged block, an unknown kind or setup, or a skip without
-a reason fails the test, so a new block is either run or explicitly excused.
+`rlproxy.db` holds a short real run), `hosted` (docs/hosted.md: the proxy with a `teacher` policy
+on a hosted-provider stand-in, `gpt-4o-mini` mapped to it). An untagged block, an unknown kind or
+setup, or a skip without a reason fails the test, so a new block is either run or explicitly excused.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 KINDS = {"python", "bash", "node", "sql", "shell", "cli", "skip"}
-SETUPS = {"open", "key", "path", "path-key", "db"}
+SETUPS = {"open", "key", "path", "path-key", "db", "hosted"}
 NEEDS_SETUPS = {"python", "bash", "node", "shell"}
 
 _TAG = re.compile(r"^<!--\s*test:\s*(.*?)\s*-->\s*$")

@@ -84,6 +84,8 @@ class ServerlessBackend:
     """
 
     base_url = "http://127.0.0.1:1"
+    base_urls = ("http://127.0.0.1:1",)
+    api_key = None
     served_model = "tiny"
 
     def __init__(self, model_path: str | Path) -> None:
@@ -103,3 +105,5 @@ class ServerlessBackend:
     async def load_adapter(self, name: str, path: str) -> None: ...
 
     async def unload_adapter(self, name: str) -> None: ...
+
+    async def load_adapters_into(self, url: str, adapters: dict[str, str] | None = None) -> None: ...

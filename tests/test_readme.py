@@ -157,10 +157,42 @@ def test_client_block_runs(block: Block, setup: str, loop_thread, embedded_backe
         proxy.stop()
 
 
+@pytest.mark.parametrize(("block", "setup"), _cases({"python", "bash"}, {"hosted"}))
+def test_hosted_block_runs(block: Block, setup: str, loop_thread, embedded_backend, tmp_path: Path) -> None:
+    """docs/hosted.md: a `teacher` policy on a strict stand-in for a hosted provider (demo/provider.py)."""
+    from rlproxy.demo.directory import expert
+    from rlproxy.demo.provider import Provider, ProviderServer
+
+    provider = Provider(expert, api_key="sk-provider")
+    teacher = ProviderServer(provider).start()
+    served = embedded_backend.served_model
+    proxy = _proxy(
+        loop_thread,
+        embedded_backend,
+        tmp_path,
+        None,
+        hosted_upstreams=f"teacher={teacher.url}",
+        upstream_api_key="sk-provider",
+        model_map=f"smollm2-135m={served},gpt-4o-mini=teacher",
+    )
+    try:
+        out = _run(block, _setup_env("open", proxy), tmp_path)
+        assert out.returncode == 0, f"{block.name} failed in setup {setup!r}: {_shown(out)}"
+        rows = proxy.query("SELECT policy, source, token_ids FROM completions WHERE status = 'ok'")
+        assert rows and all(r == ("teacher", "hosted", None) for r in rows), rows
+        assert provider.requests and not any("return_token_ids" in b for b in provider.requests)
+    finally:
+        proxy.stop()
+        teacher.stop()
+
+
 REWARD_BLOCKS = [
     pytest.param(b, b.setups[0], id=f"{b.kind}-{_where(b)}-{b.setups[0]}")
     for b in BLOCKS
-    if b.kind in {"python", "bash", "node"} and not b.problems and "reward" in b.code
+    if b.kind in {"python", "bash", "node"}
+    and not b.problems
+    and "reward" in b.code
+    and b.setups[0] in PROXY_SETUPS  # the hosted setup's blocks: test_hosted_block_runs
 ]
 
 
@@ -303,7 +335,8 @@ def test_every_block_kind_is_run_somewhere() -> None:
     """A tag whose kind/setup no test runs would excuse a block silently."""
     for b in BLOCKS:
         if b.kind in {"python", "bash", "node"}:
-            assert set(b.setups) <= PROXY_SETUPS, f"{b.name}: client blocks run in {sorted(PROXY_SETUPS)}"
+            runs_in = PROXY_SETUPS | {"hosted"}
+            assert set(b.setups) <= runs_in, f"{b.name}: client blocks run in {sorted(runs_in)}"
         if b.kind == "shell":
             assert b.setups == ("db",), f"{b.name}: shell blocks run in setups=db"
 

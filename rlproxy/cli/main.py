@@ -252,6 +252,25 @@ def sft(
             "--file", metavar="JSONL", help='OpenAI chat JSONL: {"messages": [...], "tools": [...]}'
         ),
     ] = None,
+    from_policy: Annotated[
+        str | None,
+        typer.Option(
+            metavar="TEACHER",
+            help="distill: learn this policy's stored conversations (a hosted model's too), "
+            "rendered with the student's chat template, assistant turns only",
+        ),
+    ] = None,
+    min_reward: Annotated[
+        float | None, typer.Option(help="only runs rewarded at least this (with --where/--from-policy)")
+    ] = None,
+    into: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NEW_POLICY",
+            help="publish as step 1 of this new policy (default with --from-policy: POLICY-distilled), "
+            "so live traffic stays on POLICY until the model map routes an app to it",
+        ),
+    ] = None,
     epochs: Annotated[int, typer.Option(min=1, help="passes over the examples")] = 1,
     batch_size: Annotated[int, typer.Option(min=1, help="examples per optimizer step")] = 16,
     learning_rate: Annotated[float | None, setting("learning_rate", min=0)] = None,
@@ -274,19 +293,38 @@ def sft(
     """Supervised fine-tuning from stored runs (exact tokens) or a chat file, published as the next step."""
     from rlproxy.cli import processes
 
-    if (where is None) == (file is None):
+    if from_policy is None and (where is None) == (file is None):
         raise typer.BadParameter("give one of --where (SQL over trajectories) and --file (chat JSONL)")
+    if from_policy is not None and file is not None:
+        raise typer.BadParameter("--from-policy reads the store: it takes --where, not --file")
+    if from_policy is not None and into is None:
+        into = f"{policy}-distilled"  # a new policy: the student's live traffic is not switched
     if file is not None and not file.is_file():
         raise typer.BadParameter(f"{file} is not a file", param_hint="--file")
     settings = make_settings(
         db_url=db, upstream=upstream, model=model, checkpoint_dir=checkpoint_dir, learning_rate=learning_rate
     )
     _logging("warning")
+
+    def progress(done: int, total: int, metrics: dict[str, float]) -> None:
+        typer.echo(f"sft: optimizer step {done}/{total}, loss {metrics['loss/total']:.4f}", err=True)
+
     out = asyncio.run(
-        processes.run_sft(settings, policy, where=where, file=file, epochs=epochs, batch_size=batch_size)
+        processes.run_sft(
+            settings,
+            policy,
+            where=where,
+            file=file,
+            epochs=epochs,
+            batch_size=batch_size,
+            from_policy=from_policy,
+            min_reward=min_reward,
+            into=into,
+            on_step=progress,
+        )
     )
     typer.echo(
-        f"step {out['step']} of {policy} (sft): loss {out['loss/total']:.4f}, token accuracy "
+        f"step {out['step']} of {out['policy']} (sft): loss {out['loss/total']:.4f}, token accuracy "
         f"{out['sft/token_accuracy']:.3f}, {int(out['sft/examples'])} examples -> {out['adapter_path']}"
     )
 
@@ -510,11 +548,28 @@ def demo(
         Literal["immediate", "canary"],
         typer.Option(help="canary: each new step earns its traffic; stops at the first promotion"),
     ] = "immediate",
+    teacher: Annotated[
+        bool,
+        typer.Option(
+            help="directory task from a hosted teacher: capture its episodes, distill the student, "
+            "then RL (three rungs: base, after SFT, after RL)"
+        ),
+    ] = False,
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
     from rlproxy.demo.run import TASKS, run_demo
 
     _logging("warning")
+    if teacher:
+        if task != "directory":
+            raise typer.BadParameter("--teacher runs the directory task: add --task directory")
+        from rlproxy.demo.distill import run_distill_demo
+
+        run_distill_demo(
+            minutes=minutes, model=model, out_dir=out_dir, fast=fast, seed=seed, group_size=group_size,
+            learning_rate=learning_rate, echo=typer.echo,
+        )  # fmt: skip
+        return
     summary = run_demo(
         minutes=minutes,
         model=model,

@@ -132,6 +132,33 @@ def score(
     return round(reward, 6), metrics
 
 
+_ASKED = re.compile(r"extensions of (\w+) and (\w+)\?")
+
+
+def expert(body: dict[str, Any]) -> dict[str, Any]:
+    """The scripted teacher (demo/provider.py serves it as a stand-in for a hosted model): look up
+    each person the question names, one call per reply, then answer with what the lookups said."""
+    messages = body.get("messages") or []
+    asked = next((_ASKED.search(str(m.get("content"))) for m in messages if m.get("role") == "user"), None)
+    people = asked.groups() if asked else ()
+    found: dict[str, str] = {}
+    for m in messages:
+        if m.get("role") == "tool":
+            try:
+                result = json.loads(m.get("content") or "{}")
+            except ValueError:
+                continue
+            if isinstance(result, dict) and "extension" in result:
+                found[str(result.get("name"))] = str(result["extension"])
+    for person in people:
+        if person not in found:
+            arguments = json.dumps({"name": person})
+            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": "lookup", "arguments": arguments}}  # fmt: skip
+            return {"role": "assistant", "content": None, "tool_calls": [call]}
+    return {"role": "assistant", "content": ", ".join(f"{p}: {found[p]}" for p in people)}
+
+
 @dataclass
 class Episode:
     run_id: str
@@ -159,10 +186,13 @@ def play_episode(
     temperature: float = TEMPERATURE,
     max_tokens: int = MAX_TOKENS,
     seed: int | None = None,
+    split: str | None = None,
 ) -> Episode:
-    """The agent loop: call the model, run its tool call, repeat; ends on an answer or MAX_CALLS."""
+    """The agent loop: call the model, run its tool call, repeat; ends on an answer or MAX_CALLS.
+    `split="val"` makes it a validation run (served and stored, never trained: the demo's rungs)."""
     run_id = f"dir-{uuid.uuid4().hex[:16]}"
-    headers = {"X-Run-Id": run_id, "X-Group-Id": group_id}
+    headers = {"X-Run-Id": run_id, "X-Group-Id": group_id, **({"X-Split": split} if split else {})}
+    well_formed = 0  # replies the server parsed into a lookup tool call (the first reward component)
     started = time.monotonic()
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
@@ -187,6 +217,7 @@ def play_episode(
         attempted = attempted or bool(message.tool_calls) or TOOL_OPEN in (message.content or "")
         if message.tool_calls:
             tool_call = message.tool_calls[0]  # one person per call: further calls are not run
+            well_formed += tool_call.function.name == "lookup"
             result, found = (
                 lookup(tool_call.function.arguments)
                 if tool_call.function.name == "lookup"
@@ -221,6 +252,7 @@ def play_episode(
             continue
         break
     reward, metrics = score(people, answer, looked_up, attempted)
+    metrics["well_formed_calls"] = float(well_formed)  # not part of the reward: shown per rung
     return Episode(
         run_id, group_id, reward, replies, metrics, round(time.monotonic() - started, 3), len(replies)
     )

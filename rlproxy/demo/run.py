@@ -266,8 +266,14 @@ def run_demo(
     max_tokens: int | None = None,
     echo: Callable[[str], None] | None = None,
     rollout: str = "immediate",
+    eval_episodes: int | None = None,
 ) -> dict[str, Any]:
     """Run the demo and return the summary (also written to `out_dir/summary.json`).
+
+    The directory task is also measured in rungs (demo/rungs.py): `eval_episodes` fixed prompts
+    (validation runs, never trained) before RL (`base`) and after it (`rl`), each reward component
+    apart; default 16 (--fast: 4; 0: none). The RL groups draw their prompts at random, so a rung's
+    prompt may also have been trained on.
 
     `task` names the agent (`TASKS`); its temperature and tokens per call are the task's unless
     given. `learning_rate` None keeps serve's default (chosen by model size). fast=True is the CI
@@ -336,20 +342,49 @@ def run_demo(
     echo(f"serving at {base}/v1 after {startup_s:.1f}s; agent: {agent.__name__}")
 
     rows: list[dict[str, Any]] = []
+    rungs: list[dict[str, Any]] = []
+    n_eval = (4 if fast else 16) if eval_episodes is None else eval_episodes
     try:
+        measure = _rungs(base, seed, n_eval, rungs, echo) if task == "directory" and n_eval else None
+        if measure:
+            measure("base")
         if rollout == "canary":
             from rlproxy.demo.canary import canary_loop
 
             stop_reason = canary_loop(base, plan, agent, rows, started, echo, out / "rlproxy.db")
         else:
             stop_reason = _loop(base, plan, agent, rows, started, echo)
+        if measure:
+            measure("rl")
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         echo("interrupted: stopping the server and writing what there is")
     finally:
         stop_server(proc)
         peak_rss_mb = rss.stop()
-    return _report(out, plan, changed, rows, started, startup_s, peak_rss_mb, stop_reason, echo)
+    summary = _report(out, plan, changed, rows, started, startup_s, peak_rss_mb, stop_reason, echo)
+    if rungs:  # directory: base and after RL on the same prompts, each component apart
+        summary["rungs"] = [{k: v for k, v in r.items() if k != "example"} for r in rungs]
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _rungs(
+    base: str, seed: int, n: int, rungs: list[dict[str, Any]], echo: Callable[[str], None]
+) -> Callable[[str], None]:
+    """`measure(name)`: one rung of the directory task's default policy on `n` fixed prompts."""
+    from openai import OpenAI
+
+    from rlproxy.demo.rungs import evaluate, prompt_split
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
+    policy = directory.default_model(client)
+    _, pairs, _ = prompt_split(seed, 0, n, 0)
+
+    def measure(name: str) -> None:
+        rungs.append(evaluate(client, base, policy, name, pairs, seed, echo))
+
+    return measure
 
 
 def _loop(

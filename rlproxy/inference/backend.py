@@ -3,7 +3,8 @@
 Both backends (the embedded transformers engine and vLLM) expose the same OpenAI-compatible HTTP
 API at `base_url` (routes under `/v1/...`, plus vLLM's `/v1/load_lora_adapter` and
 `/v1/unload_lora_adapter`). The proxy forwards to `base_url`; the trainer publishes adapters with
-`load_adapter`. Neither can tell the backends apart.
+`load_adapter` (trainer/publish.py, the one door). Neither can tell the backends apart: every
+member a caller uses is declared here.
 
 An adapter is served under the name `{policy}@{step}`: the trainer publishes it under that name and
 the proxy routes a policy's requests to it. `adapter_name` builds it and `parse_adapter_name` reads
@@ -36,6 +37,16 @@ class Backend(Protocol):
         ...
 
     @property
+    def base_urls(self) -> tuple[str, ...]:
+        """Every replica's root URL (`base_url` first); one unless several upstreams were attached."""
+        ...
+
+    @property
+    def api_key(self) -> str | None:
+        """The bearer key every call to the server must carry (None: the server is open)."""
+        ...
+
+    @property
     def served_model(self) -> str:
         """The base model's name as the server reports it in `/v1/models` (the default policy)."""
         ...
@@ -63,4 +74,9 @@ class Backend(Protocol):
 
     async def unload_adapter(self, name: str) -> None:
         """Stop serving adapter `name`; raises AdapterError(status=404) if it is not loaded."""
+        ...
+
+    async def load_adapters_into(self, url: str, adapters: dict[str, str] | None = None) -> None:
+        """Give replica `url` (one of `base_urls`, back after an outage) every adapter the backend
+        serves, plus `adapters` (name -> folder), before it takes traffic again."""
         ...

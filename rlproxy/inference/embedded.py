@@ -74,6 +74,10 @@ class EmbeddedBackend:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def base_urls(self) -> tuple[str, ...]:
+        return (self.base_url,)  # one in-process engine
+
+    @property
     def served_model(self) -> str:
         return served_name(self.model)
 
@@ -167,6 +171,11 @@ class EmbeddedBackend:
         if self.engine is None:
             raise BackendUnavailable("the embedded engine is not started")
         await asyncio.wrap_future(self.engine.unload_adapter(name))
+
+    async def load_adapters_into(self, url: str, adapters: dict[str, str] | None = None) -> None:
+        """The one replica is this engine, which keeps its adapters: only `adapters` are (re)loaded."""
+        for name, path in (adapters or {}).items():
+            await self.load_adapter(name, path)
 
 
 def run_engine(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from rlproxy.inference.backend import Backend
-from rlproxy.proxy import errors
+from rlproxy.proxy import errors, hosted
 from rlproxy.proxy.gate import TrainGate
 from rlproxy.proxy.inflight import InFlight
 from rlproxy.proxy.metrics import Metrics
@@ -57,6 +57,9 @@ class ProxyState:
     services: tuple = ()  # started after the backend, stopped before it (the trainer)
     runs: object = None  # proxy.runstate.RunState: which runs are closed (issue 22)
     store_file: object = None  # storage.db.StoreFile: the SQLite file deleted or replaced? (issue 22)
+    # policies on hosted, text-only upstreams (proxy/hosted.py): declared by the root, opened here
+    hosted_specs: dict = field(default_factory=dict)
+    hosted: object = None  # hosted.HostedUpstreams, or None when no policy is hosted
 
 
 async def _expire_loop(engine, older_than_s: float) -> None:
@@ -127,12 +130,14 @@ def create_app(state: ProxyState) -> FastAPI:
             await state.policies.reload(backend, state.engine)
             # one forward.Upstream, or upstreams.Upstreams over several replicas (`--upstream` repeated)
             upstream = await upstreams.open_upstream(
-                getattr(backend, "base_urls", None) or (backend.base_url,),
+                backend.base_urls,
                 settings,
-                api_key=getattr(backend, "api_key", None),  # the engine's secret, if it has one
+                api_key=backend.api_key,  # the engine's secret, if it has one
                 restore=upstreams.restorer(backend, state.engine),
             )
             state.upstream = upstream
+            if state.hosted_specs:
+                state.hosted = hosted.open_hosted(state.hosted_specs, settings)
             if isinstance(upstream, upstreams.Upstreams):
                 state.metrics.attach_upstreams(upstream)
             poll = state.policies.poll(state.engine, settings.policy_poll_interval, backend)  # replicas
@@ -164,6 +169,8 @@ def create_app(state: ProxyState) -> FastAPI:
                     await task
             if upstream is not None:
                 await upstream.aclose()
+            if state.hosted is not None:
+                await state.hosted.aclose()
             try:
                 await backend.stop()
             finally:

@@ -7,6 +7,12 @@ proxy rewrites `model` to the current adapter `{policy}@{step}` (the base model 
 that hard-code another model name. Any other name is a 404 here, with a message saying how to map
 it, rather than a round trip that the upstream would answer with a less helpful 404.
 
+Policies live on different upstreams: a text-only policy (`text_only`, from `hosted_upstreams`:
+proxy/hosted.py) is served by its hosted provider, never has steps, and its upstream model is the
+provider's name for it (`hosted_models`, else the client's `model` as written). The others are the
+backend's. The model map moves an app between them: `gpt-4o-mini=teacher` today,
+`gpt-4o-mini=student` once the student is good enough.
+
 Steps move forward in three ways: the in-process trainer calls `set_step` after it publishes, a
 poll of `training_steps` every `policy_poll_interval` seconds picks up steps published by another
 process (`rlproxy train`, or the replica that holds the trainer's lock), and on start the newest
@@ -46,13 +52,17 @@ def parse_model_map(spec: str) -> dict[str, str]:
 class Policies:
     """The current step of every policy, and the rewrite of a request's `model`."""
 
-    def __init__(self, base_model: str, model_map: str = "") -> None:
+    def __init__(
+        self, base_model: str, model_map: str = "", text_only: dict[str, str | None] | None = None
+    ) -> None:
         self.base_model = base_model
         self.default = base_model
         self.model_map = parse_model_map(model_map)
+        # policy -> the model its hosted provider is asked for (None: the client's `model` as written)
+        self.text_only: dict[str, str | None] = dict(text_only or {})
         self.steps: dict[str, int] = {}
         self._failed: dict[str, int] = {}  # policy -> step whose adapter failed to load (warned once)
-        self._known = {base_model, *self.model_map.values()}
+        self._known = {base_model, *self.model_map.values(), *self.text_only}
         self.router = None  # proxy/rollout.py Router: canary policies split their runs (None: immediate)
 
     def set_base(self, base_model: str) -> None:
@@ -88,7 +98,7 @@ class Policies:
                 policy = model
             else:
                 pinned = parse_adapter_name(model)
-                if pinned is not None and self.known(pinned[0]):
+                if pinned is not None and self.known(pinned[0]) and pinned[0] not in self.text_only:
                     name, step = pinned
                     return name, step, self.upstream_model(name, step)
                 policy = self.model_map.get("*")  # type: ignore[assignment]
@@ -102,10 +112,17 @@ class Policies:
                         param="model",
                         code="model_not_found",
                     )
+        if policy in self.text_only:  # a hosted provider's: no steps, its own model name
+            return policy, 0, self.text_only[policy] or (model if isinstance(model, str) else policy)
         step = self.steps.get(policy, 0)
         if self.router is not None:
             step = self.router.route(policy, step, run_id)
         return policy, step, self.upstream_model(policy, step)
+
+    def trainable(self) -> list[str]:
+        """The policies the backend serves (the default and the model map's), hosted ones left out."""
+        names = [self.default, *self.model_map.values()]
+        return [p for p in dict.fromkeys(names) if p not in self.text_only]
 
     async def set_step(self, policy: str, step: int) -> None:
         """Serve `policy@step` from now on (the trainer calls this after publishing)."""

@@ -35,7 +35,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rlproxy.errors import APIError, BackendRedirect, RLProxyError
-from rlproxy.proxy import capture, errors, forward, messages, responses, runkey, validate
+from rlproxy.proxy import capture, errors, forward, hosted, messages, responses, runkey, validate
 from rlproxy.proxy.stream import StreamRelay
 from rlproxy.storage.records import CompletionRecord, Endpoint
 
@@ -126,10 +126,14 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     if px.writer.full:  # the store is behind: wait at its pace (bounded, then 503 + Retry-After)
         await px.writer.room(px.settings.store_wait_timeout)
     policy, step, upstream_model = px.policies.resolve(body.get("model"), run_id)
+    text_only = px.hosted.get(policy) if px.hosted else None  # a hosted provider's (proxy/hosted.py)
 
     upstream_body = dict(body)
     upstream_body["model"] = upstream_model
-    inj = capture.inject(upstream_body, Endpoint.CHAT if call is not None else endpoint)
+    if text_only is not None:  # sent as the client wrote it: nothing injected, nothing to strip
+        inj = capture.Injected()
+    else:
+        inj = capture.inject(upstream_body, Endpoint.CHAT if call is not None else endpoint)
     stream = upstream_body.get("stream") is True
     rec = CompletionRecord(
         run_id=run_id,
@@ -144,6 +148,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         request=body,
         created_at=created_at,
         client_request=call.body if call is not None else None,
+        source=hosted.HOSTED if text_only is not None else None,
     )
     if run_id is not None:
         px.inflight.enter(run_id)
@@ -151,7 +156,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     try:
         headers = forward.request_headers(scope["headers"], px.drop_headers, identity=True)
         query = b"" if endpoint == Endpoint.MESSAGES else scope["query_string"]  # ?beta=true is ours
-        resp = await px.upstream.post(
+        resp = await (text_only or px.upstream).post(
             _UPSTREAM_PATHS[endpoint], headers, orjson.dumps(upstream_body), query, stream, run_id
         )
         if endpoint == Endpoint.MESSAGES and resp.status_code == 400:
@@ -275,6 +280,8 @@ def _fill(rec: CompletionRecord, cap: capture.Captured) -> None:
     rec.finish_reason = cap.finish_reason
     rec.prompt_tokens = cap.prompt_tokens
     rec.completion_tokens = cap.completion_tokens
+    if rec.source is not None:  # a hosted row: no token ids, marked (proxy/hosted.py)
+        hosted.text_only(rec)
 
 
 def _relay(

@@ -325,8 +325,7 @@ def _on_close(resp: http11.Response, replica: Replica) -> None:
 def restorer(backend: Any, engine: Any) -> Restore | None:
     """`restore(url)` for `backend`: load into replica `url` the adapters the backend loaded itself
     and each policy's newest committed one (published by a separate `rlproxy train` process too)."""
-    load_into = getattr(backend, "load_adapters_into", None)
-    if load_into is None:
+    if len(backend.base_urls) < 2:  # one server: nothing to restore into
         return None
 
     async def restore(url: str) -> None:
@@ -334,7 +333,9 @@ def restorer(backend: Any, engine: Any) -> Restore | None:
         from rlproxy.storage import queries
 
         latest = await queries.latest_adapters(engine)
-        await load_into(url, {adapter_name(p, step): path for p, (step, path) in latest.items()})
+        await backend.load_adapters_into(
+            url, {adapter_name(p, step): path for p, (step, path) in latest.items()}
+        )
 
     return restore
 

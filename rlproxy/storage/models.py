@@ -154,6 +154,11 @@ class Completion(Base):
     client_response: Mapped[dict[str, Any] | None] = mapped_column(
         comment="Responses API: the response object the client received"
     )
+    source: Mapped[str | None] = mapped_column(
+        String(16),
+        comment="hosted: a text-only upstream answered (token ids NULL: SFT data, never a GRPO sample); "
+        "NULL: captured with exact tokens",
+    )
 
     __table_args__ = (
         UniqueConstraint("run_id", "seq", name="uq_completions_run_seq"),

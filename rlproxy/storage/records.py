@@ -55,6 +55,7 @@ class CompletionRecord:
     response_id: str | None = None  # the response object's id; None when the client said store: false
     client_request: dict[str, Any] | None = None  # the Responses request body as the client sent it
     client_response: dict[str, Any] | None = None  # the Responses object the client received
+    source: str | None = None  # "hosted": a text-only upstream answered (no token ids); None: captured
 
 
 # The record fields that are `completions` columns (group_id/default_group belong to the run).
@@ -83,6 +84,7 @@ COMPLETION_FIELDS: tuple[str, ...] = (
     "response_id",
     "client_request",
     "client_response",
+    "source",
 )
 
 

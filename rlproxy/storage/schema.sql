@@ -31,7 +31,7 @@ CREATE TABLE completions (
 	ttft_ms FLOAT /* time to first token (streams) */,
 	prompt_tokens INTEGER,
 	completion_tokens INTEGER,
-	created_at DATETIME NOT NULL, capture_id VARCHAR(64) /* unique id the proxy gave the record (its crash-journal replay stores it once) */, response_id VARCHAR(64) /* Responses API: id of the response object; NULL if store: false */, client_request JSON /* Responses API: the request body as the client sent it */, client_response JSON /* Responses API: the response object the client received */,
+	created_at DATETIME NOT NULL, capture_id VARCHAR(64) /* unique id the proxy gave the record (its crash-journal replay stores it once) */, response_id VARCHAR(64) /* Responses API: id of the response object; NULL if store: false */, client_request JSON /* Responses API: the request body as the client sent it */, client_response JSON /* Responses API: the response object the client received */, source VARCHAR(16) /* hosted: a text-only upstream answered (token ids NULL: SFT data, never a GRPO sample); NULL: captured with exact tokens */,
 	PRIMARY KEY (id),
 	FOREIGN KEY(run_id) REFERENCES runs (id) ON DELETE CASCADE,
 	CONSTRAINT uq_completions_run_seq UNIQUE (run_id, seq)

@@ -103,6 +103,7 @@ class StatusReason(enum.StrEnum):
     nonfinite = "nonfinite"  # failed: its steps' loss or gradient was not finite, again and again
     judge_failed = "judge_failed"  # failed: the judge's answers for its group stayed malformed (judging.py)
     judge_off = "judge_off"  # failed: completed for the judge, but the judge is off for its policy
+    hosted = "hosted"  # skipped: a hosted (text-only) upstream answered it: SFT data, never a GRPO sample
 
 
 @dataclass
@@ -141,6 +142,7 @@ class CompletionData:
     token_ids: list[list[int] | None] | None  # one list per choice
     logprobs: list[list[float | None] | None] | None  # one list per choice
     status: str | None = None  # ok, error, cancelled
+    source: str | None = None  # "hosted": a text-only upstream answered (no token ids; migration 0012)
 
 
 @dataclass
@@ -402,6 +404,7 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
                 token_ids=c.token_ids,
                 logprobs=c.logprobs,
                 status=c.status,
+                source=c.source,
             )
         )
     return [out[rid] for rid in run_ids if rid in out]

@@ -191,8 +191,9 @@ def _old_logprobs(comp: CompletionData, choice: int, n: int) -> list[float] | No
 
 
 def usable(comp: CompletionData) -> bool:
-    """True when a completion holds something the model sampled: token ids, or at least a reply."""
-    if comp.status == "error":
+    """True when a completion holds something the model sampled: token ids, or at least a reply.
+    A hosted provider's reply (source `hosted`) is another model's text: never a GRPO sample."""
+    if comp.status == "error" or comp.source == "hosted":
         return False
     if comp.prompt_token_ids and any(comp.token_ids or []):
         return True

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,14 @@ from typing import Any
 import torch
 
 from rlproxy.errors import ConfigError, TrainerError
-from rlproxy.inference.backend import adapter_name, parse_adapter_name
+from rlproxy.inference.backend import Backend, parse_adapter_name
 from rlproxy.storage.db import create_engine
 from rlproxy.storage.leader import LeaderLock
 from rlproxy.storage.lineage import PolicyExists, start_policy, step_adapter
-from rlproxy.storage.training import commit_step, forget_adapter_paths, latest_step, load_runs
-from rlproxy.storage.validation import best_step
+from rlproxy.storage.training import commit_step, latest_step, load_runs
 from rlproxy.trainer import checkpoint as ckpt
 from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.publish import publish_step
 from rlproxy.trainer.service import STEPS_LOCK, resolved_config
 from rlproxy.trainer.step import step_columns
 
@@ -109,7 +110,7 @@ async def _start(
     src: Path,
     *,
     kind: str,
-    backend: Any = None,
+    backend: Backend | None = None,
     parent: str | None = None,
     parent_step: int | None = None,
     init_adapter: str | None = None,
@@ -123,9 +124,8 @@ async def _start(
         origin = {"parent": parent, "parent_step": parent_step, "init_adapter": init_adapter}
         state = {"kind": kind, "run_ids": [], "config": resolved_config(config), **origin}
         saved = await asyncio.to_thread(ckpt.copy_checkpoint, src, config.checkpoint_dir, policy, 1, state)
-        try:
-            if backend is not None:
-                await backend.load_adapter(adapter_name(policy, 1), str(saved.path))
+
+        async def commit() -> None:
             await start_policy(
                 engine,
                 policy=policy,
@@ -134,9 +134,8 @@ async def _start(
                 config=state["config"],
                 **origin,
             )
-        except BaseException:
-            ckpt.discard(saved)
-            raise
+
+        await publish_step(saved, commit, engine=engine, config=config, backend=backend, prune=False)
         return saved
     finally:
         await lock.release()
@@ -144,7 +143,7 @@ async def _start(
 
 
 async def fork_policy(
-    db_url: str, config: TrainerConfig, source: str, new_policy: str, backend: Any = None
+    db_url: str, config: TrainerConfig, source: str, new_policy: str, backend: Backend | None = None
 ) -> ckpt.Checkpoint:
     """`rlproxy fork POLICY@N NEW`: NEW's step 1 is POLICY's step N (adapter and optimizer state)."""
     parsed = parse_adapter_name(source)
@@ -174,7 +173,7 @@ async def init_policies(
     adapter_dir: str,
     model_path: str,
     max_lora_rank: int,
-    backend: Any = None,
+    backend: Backend | None = None,
 ) -> list[str]:
     """`--init-adapter DIR`: each of `policies` without a step starts from DIR (step 1, kind init);
     policies with steps keep them. Returns the policies started."""
@@ -207,31 +206,63 @@ async def init_policies(
 # --------------------------------------------------------------------------------------------- SFT
 
 
-async def sft_examples(db_url: str, tokenizer: Any, *, where: str | None, file: str | None) -> list[Any]:
-    """The examples of `rlproxy sft`: the runs `where` selects (exact tokens) or the chats of `file`."""
+async def sft_examples(
+    db_url: str,
+    tokenizer: Any,
+    *,
+    where: str | None,
+    file: str | None,
+    from_policy: str | None = None,
+    min_reward: float | None = None,
+) -> list[Any]:
+    """The examples of `rlproxy sft`: the runs `where` selects (exact tokens), the chats of `file`,
+    or (`from_policy`) that policy's conversations rendered with the student's template (distillation:
+    a hosted teacher's rows have no tokens). Runs of split `val` are never trained; `min_reward`
+    keeps only runs rewarded at least that."""
     from rlproxy.trainer import sft
 
-    if (where is None) == (file is None):
-        raise ConfigError("give one of --where (SQL over the trajectories view) and --file (chat JSONL)")
     if file is not None:
+        if where is not None or from_policy is not None or min_reward is not None:
+            raise ConfigError(
+                "--file takes no --where, --from-policy or --min-reward (they select stored runs)"
+            )
         return [sft.chat_example(tokenizer, c["messages"], c.get("tools")) for c in sft.read_chats(file)]
+    if where is None and from_policy is None:
+        raise ConfigError("give one of --where (SQL over the trajectories view) and --file (chat JSONL)")
     from sqlalchemy import text
 
     from rlproxy.storage.queries import open_readonly
 
+    runs_sql = "SELECT id FROM runs WHERE split = 'train'"  # never a validation run
+    params: dict[str, Any] = {}
+    if from_policy is not None:
+        runs_sql += " AND policy = :from_policy"
+        params["from_policy"] = from_policy
+    if min_reward is not None:
+        runs_sql += " AND reward >= :min_reward"
+        params["min_reward"] = min_reward
+    sql = f"SELECT run_id FROM trajectories WHERE run_id IN ({runs_sql})"
+    if where is not None:
+        sql += f" AND ({where})"
     engine = await open_readonly(db_url)  # `where` is the operator's SQL: it may read, never write
     try:
         async with engine.connect() as conn:
-            ids = [
-                r[0]
-                for r in (await conn.execute(text(f"SELECT run_id FROM trajectories WHERE {where}"))).all()
-            ]
+            ids = [r[0] for r in (await conn.execute(text(sql), params)).all()]
         runs = await load_runs(engine, ids) if ids else []
     finally:
         await engine.dispose()
+    what = " ".join(
+        f"{k} {v!r}" for k, v in (("--from-policy", from_policy), ("--where", where)) if v is not None
+    )
+    if from_policy is not None:
+        examples, _ = sft.distill_examples(tokenizer, runs)
+        if not examples:
+            raise ConfigError(f"{what} selects {len(ids)} train run(s) with no conversation to learn")
+        log.info("distilling %d conversation(s) of %d run(s) of %s", len(examples), len(runs), from_policy)
+        return examples
     examples = sft.run_examples(runs)
     if not examples:
-        raise ConfigError(f"--where {where!r} selects {len(ids)} run(s) with no stored tokens to learn")
+        raise ConfigError(f"{what} selects {len(ids)} train run(s) with no stored tokens to learn")
     log.info("SFT on %d completion(s) of %d run(s)", len(examples), len(runs))
     return examples
 
@@ -246,9 +277,16 @@ async def run_sft(
     file: str | None = None,
     epochs: int = 1,
     batch_size: int = 16,
-    backend: Any = None,
+    backend: Backend | None = None,
+    from_policy: str | None = None,
+    min_reward: float | None = None,
+    into: str | None = None,
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
-    """`rlproxy sft`: train the policy's newest adapter on the examples, publish it as the next step."""
+    """`rlproxy sft`: train the policy's newest adapter on the examples, publish it as the next step.
+
+    `into` NEW: publish as step 1 of a new policy NEW instead (the policy's traffic stays where it is
+    until the user routes an app to NEW: the model map). `on_step(done, total, metrics)`: progress."""
     from rlproxy.trainer.model import load_policy
     from rlproxy.trainer.sft import train_sft
     from rlproxy.trainer.step import make_optimizer
@@ -271,7 +309,15 @@ async def run_sft(
         optimizer = make_optimizer(model, config)
         if last is not None:
             ckpt.load_optimizer(last, optimizer)
-        examples = await sft_examples(db_url, tokenizer, where=where, file=file)
+        examples = await sft_examples(
+            db_url, tokenizer, where=where, file=file, from_policy=from_policy, min_reward=min_reward
+        )
+        target = into or policy
+        if into is not None and into != policy:
+            if parse_adapter_name(into) is not None or not into.strip():
+                raise ConfigError(f"{into!r}: the new policy needs a name without @")
+            if await latest_step(engine, into) > 0:
+                raise ConfigError(f"policy {into!r} already has steps; pick a new name for --into")
         started_at = datetime.now(UTC)
 
         # 2. train: epochs over the examples (torch, off the event loop)
@@ -287,15 +333,24 @@ async def run_sft(
                 epochs=epochs,
                 batch_size=batch_size,
                 seed=config.seed,
+                on_step=on_step,
             )
 
         result = await asyncio.to_thread(train)
         if result.metrics["step/skipped_nonfinite"]:
             raise TrainerError("an SFT optimizer step had a non-finite loss or gradient: nothing published")
 
-        # 3. checkpoint, then load into the backend, then commit (the same order as a trainer step)
-        step = db_step + 1
-        source = {"sft_where": where, "sft_file": file, "sft_epochs": epochs, "sft_batch_size": batch_size}
+        # 3. checkpoint (publish_step below then loads it, commits it, prunes: as a trainer step does)
+        step = db_step + 1 if target == policy else 1
+        source = {
+            "sft_where": where,
+            "sft_file": file,
+            "sft_epochs": epochs,
+            "sft_batch_size": batch_size,
+            "sft_from_policy": from_policy,
+            "sft_min_reward": min_reward,
+            "sft_parent": f"{policy}@{db_step}" if target != policy else None,
+        }
         state = {
             "kind": "sft",
             "run_ids": [],
@@ -306,14 +361,13 @@ async def run_sft(
             "started_at": started_at.isoformat(),
         }
         saved = await asyncio.to_thread(
-            ckpt.save_checkpoint, config.checkpoint_dir, policy, step, model, optimizer, state
+            ckpt.save_checkpoint, config.checkpoint_dir, target, step, model, optimizer, state
         )
-        try:
-            if backend is not None:
-                await backend.load_adapter(adapter_name(policy, step), str(saved.path))
+
+        async def commit() -> None:
             await commit_step(
                 engine,
-                policy=policy,
+                policy=target,
                 step=step,
                 run_ids=[],
                 adapter_path=str(saved.path),
@@ -325,21 +379,13 @@ async def run_sft(
                 config=state["config"],
                 columns={**step_columns(result.metrics), "kind": "sft"},
             )
-        except BaseException:
-            ckpt.discard(saved)
-            raise
 
-        # 4. prune like a trainer step (the best checkpoint by validation reward stays)
-        best = await best_step(engine, policy, min_runs=config.val_min_runs)
-        protect = (best,) if best is not None and config.keep_best else ()
-        pruned = await asyncio.to_thread(
-            ckpt.prune, config.checkpoint_dir, policy, config.keep_checkpoints, protect
-        )
-        await forget_adapter_paths(engine, policy, pruned)
+        # 4. through the one door: load, commit, prune like a trainer step (the best checkpoint stays)
+        await publish_step(saved, commit, engine=engine, config=config, backend=backend)
         log.info(
-            "SFT step %d of %s: loss %.4f over %d examples", step, policy, result.loss, result.num_examples
+            "SFT step %d of %s: loss %.4f over %d examples", step, target, result.loss, result.num_examples
         )
-        return {"policy": policy, "step": step, "adapter_path": str(saved.path), **result.metrics}
+        return {"policy": target, "step": step, "adapter_path": str(saved.path), **result.metrics}
     finally:
         await lock.release()
         await engine.dispose()

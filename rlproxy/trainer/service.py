@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from rlproxy.errors import AdapterError
 from rlproxy.inference.backend import Backend, adapter_name
 from rlproxy.storage.db import create_engine
 from rlproxy.storage.errors import StepConflict
@@ -46,7 +45,6 @@ from rlproxy.storage.training import (
     RunData,
     StatusReason,
     commit_step,
-    forget_adapter_paths,
     latest_step,
     load_runs,
     mark_runs,
@@ -56,12 +54,12 @@ from rlproxy.storage.training import (
     ungroup_runs,
     ungrouped_batch,
 )
-from rlproxy.storage.validation import best_step
 from rlproxy.trainer import checkpoint as ckpt
 from rlproxy.trainer.batches import usable
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.culprits import nonfinite_groups
 from rlproxy.trainer.model import load_policy
+from rlproxy.trainer.publish import publish_step, unload_quietly
 from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
 from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, step_columns, train_step
 
@@ -132,6 +130,8 @@ class TrainerService:
         self.last_metrics: dict[str, Any] | None = None
         self._next_notice = 0.0  # time.monotonic() before which the singletons warning stays quiet
         self._flat_groups = 0  # zero-variance groups skipped since the last committed step
+        self.hosted_skipped = 0  # runs a hosted upstream answered, skipped (never GRPO samples), in all
+        self._hosted_since = 0  # ... since the last committed step (its data/hosted_runs_skipped)
         # trackers named in report_to (a missing package is a ConfigError here, before serving starts)
         self.reporter = MetricsReporter(
             parse_report_to(config.report_to), config.metrics_log_dir, resolved_config(config)
@@ -250,6 +250,8 @@ class TrainerService:
                 if result.skipped:  # weights and optimizer untouched: nothing to save or publish
                     return await self._skipped(policy, run_ids, result, runs)
                 result.metrics.update(self._selection_metrics(result))
+                if self._hosted_since:  # hosted runs seen since the last step: said, not silently dropped
+                    result.metrics["data/hosted_runs_skipped"] = float(self._hosted_since)
                 # 3. checkpoint: adapter + optimizer + trainer state, atomically, before any publishing
                 state = {
                     "run_ids": run_ids,
@@ -286,7 +288,7 @@ class TrainerService:
             # 4. publish: backend.load_adapter -> commit (exactly once) -> on_publish flips the alias
             result.metrics["perf/step_seconds"] = time.perf_counter() - t0
             await self._publish(saved, run_ids, result, started_at)
-            self._flat_groups = 0
+            self._flat_groups = self._hosted_since = 0
             self._log_progress(policy, step, result, time.perf_counter() - t0)
             await self._report(policy, step, result)
             out = {"policy": policy, "step": step, "adapter_path": str(saved.path), **result.metrics}
@@ -351,6 +353,23 @@ class TrainerService:
         """The runs of the next step with their completions; runs with nothing usable become `failed`."""
         while groups := await self._select():
             runs = await load_runs(self._db(), [rid for g in groups for rid in g.run_ids])
+            hosted = [
+                r.run_id for r in runs if r.completions and all(c.source == "hosted" for c in r.completions)
+            ]
+            if (
+                hosted
+            ):  # a hosted provider's text: SFT/distillation data (rlproxy sft --from-policy), not GRPO
+                n = await mark_runs(self._db(), hosted, RunStatus.skipped, StatusReason.hosted)
+                self.hosted_skipped += n
+                self._hosted_since += n  # in the next step's metrics: data/hosted_runs_skipped
+                log.info(
+                    "skipped %d run(s) answered by a hosted upstream (no token ids: not GRPO samples; "
+                    "distill them with `rlproxy sft --from-policy`)",
+                    n,
+                )
+                runs = [r for r in runs if r.run_id not in set(hosted)]
+                if not runs:
+                    continue
             empty = [r.run_id for r in runs if not any(usable(c) for c in r.completions)]
             if not empty:
                 return runs
@@ -456,13 +475,17 @@ class TrainerService:
         started_at: datetime | None,
         kind: str = "grpo",
     ) -> None:
-        """Backend first (so the alias never points at a missing adapter), then the commit, then the alias."""
+        """Through the one door (trainer/publish.py): load into every replica, commit (exactly once),
+        flip the alias, prune; then the adapter keep_checkpoints steps back is unloaded after
+        unload_grace seconds."""
         policy, step = saved.policy, saved.step
-        name = adapter_name(policy, step)
-        await self.backend.load_adapter(name, str(saved.path))
-        # a canary policy's rollout row exists before its step does (trainer/rollout.py)
-        rollout = await self.rollouts.begin(self._db(), policy, step) if self.rollouts is not None else None
-        try:
+        rollout = None
+
+        async def commit() -> None:
+            nonlocal rollout
+            # a canary policy's rollout row exists before its step does (trainer/rollout.py)
+            if self.rollouts is not None:
+                rollout = await self.rollouts.begin(self._db(), policy, step)
             await commit_step(
                 self._db(),
                 policy=policy,
@@ -479,40 +502,44 @@ class TrainerService:
                 columns={**step_columns(result.metrics), "kind": kind},
                 run_segments=result.run_segments,
             )
+
+        try:
+            await publish_step(
+                saved,
+                commit,
+                engine=self._db(),
+                config=self.config,
+                backend=self.backend,
+                on_publish=self.on_publish,
+                # the step belongs to nobody: forget its weights and its adapter, keep the last committed
+                # ones; any other failure keeps the checkpoint for recovery
+                discard_on=StepConflict,
+                keep=self._serving(policy),
+            )
         except StepConflict:
-            # the step belongs to nobody: forget its weights and its adapter, keep the last committed ones
-            if self.rollouts is not None:
+            if self.rollouts is not None and rollout is not None:
                 await self.rollouts.abort(self._db(), rollout)
             self._learners.pop(policy, None)
-            ckpt.discard(saved)
-            await self._unload(name, 0)
             raise
-        if self.on_publish is not None:
-            await self.on_publish(policy, step)
-        # deleting old checkpoint folders is disk work: off the event loop; their rows then name no folder
-        # the best adapter by validation reward stays too (keep_best; storage/validation.py)
-        best = await best_step(self._db(), policy, min_runs=self.config.val_min_runs)
-        protect = (best,) if best is not None and self.config.keep_best else ()
         serving = await self.rollouts.protect(self._db(), policy) if self.rollouts is not None else ()
-        protect = (*protect, *serving)  # a canary's incumbent stays on disk and loaded (trainer/rollout.py)
-        pruned = await asyncio.to_thread(
-            ckpt.prune, self.config.checkpoint_dir, policy, self.config.keep_checkpoints, protect
-        )
-        await forget_adapter_paths(self._db(), policy, pruned)
         old = step - self.config.keep_checkpoints
-        if old >= 1 and old not in serving:
-            task = asyncio.create_task(self._unload(adapter_name(policy, old), self.config.unload_grace))
+        if old >= 1 and old not in serving:  # a canary's incumbent stays loaded (trainer/rollout.py)
+            task = asyncio.create_task(
+                unload_quietly(self.backend, adapter_name(policy, old), self.config.unload_grace)
+            )
             self._unloads.add(task)
             task.add_done_callback(self._unloads.discard)
 
-    async def _unload(self, name: str, delay: float) -> None:
-        # in-flight requests on the old adapter get `unload_grace` seconds to finish
-        await asyncio.sleep(delay)
-        try:
-            await self.backend.unload_adapter(name)
-        except AdapterError as exc:
-            if exc.status != 404:
-                log.warning("could not unload adapter %s: %s", name, exc)
+    def _serving(self, policy: str) -> Callable[[], Awaitable[tuple[int, ...]]] | None:
+        """The steps a canary keeps serving besides the newest (its incumbent): never pruned."""
+        if self.rollouts is None:
+            return None
+        rollouts = self.rollouts
+
+        async def serving() -> tuple[int, ...]:
+            return tuple(await rollouts.protect(self._db(), policy))
+
+        return serving
 
     # ------------------------------------------------------------------ recovery
 

@@ -10,6 +10,10 @@ server saw (`prompt_token_ids`) as context and the tokens it sampled (`token_ids
 every one of them learned. From a file (OpenAI chat JSONL, `{"messages": [...], "tools": [...]}`)
 the chat template renders the conversation and only the assistant turns are learned, each through its
 end-of-turn token (so the model also learns to stop); system, user and tool turns are context.
+Distillation (`--from-policy teacher`) does the same with the store's conversations of another
+policy, typically a hosted model's (text only: proxy/hosted.py): `conversations` reads each run's
+chats back (tools and tool calls included) and `distill_examples` renders them with the student's
+template, so the student learns the teacher's turns in its own format.
 
 One `rlproxy sft` is one published step (one `training_steps` row, kind `sft`, num_runs 0: the runs
 it learned from keep their status) however many optimizer steps it takes inside. It continues the
@@ -28,6 +32,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,6 +171,64 @@ def run_examples(runs: list[RunData]) -> list[SFTExample]:
     return out
 
 
+# The message keys a chat template reads; the rest of a provider's message (refusal, annotations,
+# audio, reasoning) is not the student's to learn.
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+
+
+def _message(m: dict[str, Any]) -> dict[str, Any]:
+    out = {k: m[k] for k in _MESSAGE_KEYS if m.get(k) is not None}
+    out.setdefault("content", "" if not out.get("tool_calls") else None)
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "id": c.get("id"),
+                "type": c.get("type") or "function",
+                "function": dict(c.get("function") or {}),
+            }
+            for c in out["tool_calls"]
+        ]
+    return out
+
+
+def conversations(run: RunData) -> list[tuple[list[dict[str, Any]], list[Any] | None]]:
+    """A run's conversations as (messages, tools): each answered chat call's request messages plus
+    its reply; a conversation that a later call continues is left out (it is inside the later one)."""
+    convs: list[tuple[list[dict[str, Any]], list[Any] | None]] = []
+    for comp in run.completions:
+        request, response = comp.request or {}, comp.response or {}
+        choices = response.get("choices") or []
+        messages = request.get("messages")
+        if comp.status not in (None, "ok") or not isinstance(messages, list) or not choices:
+            continue
+        reply = choices[0].get("message") if isinstance(choices[0], dict) else None
+        if not isinstance(reply, dict) or not (reply.get("content") or reply.get("tool_calls")):
+            continue
+        conv = [_message(m) for m in messages if isinstance(m, dict)] + [_message(reply)]
+        convs = [(c, t) for c, t in convs if c != conv[: len(c)]]  # continued by this one
+        convs.append((conv, request.get("tools")))
+    return convs
+
+
+def distill_examples(tokenizer: Any, runs: list[RunData]) -> tuple[list[SFTExample], int]:
+    """The teacher's conversations of `runs` rendered with the student's chat template (`tokenizer`),
+    tools and tool calls included, every assistant turn learned and nothing else: (examples, number
+    of conversations the template could not mask, left out)."""
+    from rlproxy.inference.tools import messages_for_template
+
+    out, refused = [], 0
+    for run in runs:
+        for messages, tools in conversations(run):
+            try:
+                out.append(chat_example(tokenizer, messages_for_template(messages), tools))
+            except ConfigError as exc:
+                refused += 1
+                log.debug("run %s: conversation left out: %s", run.run_id, exc)
+    if refused:
+        log.warning("%d conversation(s) left out: the chat template rewrites earlier turns", refused)
+    return out, refused
+
+
 def truncate(example: SFTExample, max_seq_len: int) -> SFTExample | None:
     """`example` cut to `max_seq_len` tokens at its end; None when its context alone fills them."""
     keep = max_seq_len - len(example.context)
@@ -265,13 +328,16 @@ def train_sft(
     epochs: int = 1,
     batch_size: int = 16,
     seed: int = 0,
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None,
 ) -> SFTResult:
-    """`epochs` passes over `examples`, one optimizer step per `batch_size` examples (synchronous torch)."""
+    """`epochs` passes over `examples`, one optimizer step per `batch_size` examples (synchronous torch).
+    `on_step(done, total, metrics)` after each optimizer step (the command's progress line)."""
     started = time.perf_counter()
     kept = [t for e in examples if (t := truncate(e, config.max_seq_len)) is not None and t.num_tokens > 0]
     if not kept:
         raise TrainerError(f"none of {len(examples)} examples has a token to learn within max_seq_len")
     order = random.Random(seed)
+    total_steps = epochs * math.ceil(len(kept) / batch_size)
     steps, last = 0, list[dict[str, float]]()
     for epoch in range(epochs):
         shuffled = order.sample(kept, len(kept))
@@ -281,6 +347,8 @@ def train_sft(
             batches = sft_batches(step_examples, config.micro_batch_size, tokenizer.pad_token_id)
             last.append(sft_step(model, optimizer, batches, config))
             steps += 1
+            if on_step is not None:
+                on_step(steps, total_steps, last[-1])
         log.debug("SFT epoch %d: loss %.4f", epoch + 1, sum(m["loss/total"] for m in last) / len(last))
     tokens = sum(e.num_tokens for e in kept)
     weight = [m["sft/tokens"] / tokens for m in last]  # the last epoch's step metrics, token-weighted

@@ -1,0 +1,106 @@
+"""Rungs: a policy's reward on fixed, fresh prompts of the directory task, component by component.
+
+Both directory demos measure with it: the RL-only one (`rlproxy demo --task directory`: base, then
+after RL) and the distillation path (`--teacher`: base, after SFT, after RL). A rung is a set of
+validation runs (`X-Split: val`: served and stored, never trained), one episode per prompt, with the
+mean reward and each component in [0, 1]: `well_formed_call` (episodes in which the server parsed a
+lookup tool call from a reply), `correct_lookup` (the two people looked up), `correct_answer` (the two
+extensions in the final answer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from openai import OpenAI
+
+from rlproxy.demo import directory
+from rlproxy.demo.number_game import post_reward
+
+COMPONENTS = ("well_formed_call", "correct_lookup", "correct_answer")
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
+def prompt_split(seed: int, teacher: int, evaluation: int, rl: int) -> tuple[list, list, list]:
+    """Disjoint lists of (person, person) for the teacher, the rungs and the RL groups."""
+    pairs = list(itertools.permutations(sorted(directory.DIRECTORY), 2))
+    random.Random(seed).shuffle(pairs)
+    if teacher + evaluation + rl > len(pairs):
+        raise ValueError(f"{teacher + evaluation + rl} prompts asked, the directory has {len(pairs)}")
+    return pairs[:teacher], pairs[teacher : teacher + evaluation], pairs[teacher + evaluation :][:rl]
+
+
+def components(episode: directory.Episode) -> dict[str, float]:
+    """One episode's reward components, each in [0, 1]."""
+    m = episode.metrics
+    return {
+        "well_formed_call": float(m.get("well_formed_calls", 0.0) > 0),
+        "correct_lookup": m.get("people_looked_up", 0.0) / 2,
+        "correct_answer": m.get("extensions_found", 0.0) / 2,
+    }
+
+
+def play(
+    client: OpenAI,
+    base_url: str,
+    model: str,
+    pairs: list[tuple[str, str]],
+    *,
+    group_id: str | None = None,
+    split: str | None = None,
+    temperature: float,
+    max_tokens: int,
+    seed: int,
+) -> list[directory.Episode]:
+    """One episode per pair, concurrently (8 at a time), each reward posted."""
+
+    def one(i: int) -> directory.Episode:
+        gid = group_id or f"dir-{uuid.uuid4().hex[:12]}"
+        e = directory.play_episode(
+            client, model, gid, pairs[i], temperature, max_tokens, seed * 1000 + i, split=split
+        )
+        post_reward(base_url, "not-needed", e.run_id, e.reward, e.metrics)
+        return e
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(one, range(len(pairs))))
+
+
+def rung(name: str, episodes: list[directory.Episode], seconds: float) -> dict[str, Any]:
+    comps = [components(e) for e in episodes]
+    out: dict[str, Any] = {"rung": name, "episodes": len(episodes)}
+    out["mean_reward"] = _mean([e.reward for e in episodes])
+    for c in COMPONENTS:
+        out[c] = _mean([x[c] for x in comps])
+    out["seconds"] = round(seconds, 1)
+    out["example"] = episodes[0].replies if episodes else []
+    return out
+
+
+def line(r: dict[str, Any]) -> str:
+    parts = "  ".join(f"{c} {r[c]:.3f}" for c in COMPONENTS)
+    return (
+        f"rung {r['rung']:>7}: reward {r['mean_reward']:.3f}  {parts}  "
+        f"({r['episodes']} episodes, {r['seconds']:.0f}s)  e.g. {r['example']!r}"
+    )
+
+
+def evaluate(
+    client: OpenAI, base: str, policy: str, name: str, pairs: list, seed: int, echo: Callable[[str], None]
+) -> dict[str, Any]:
+    """A rung: `policy` on the fresh prompts, as validation runs (never trained)."""
+    t0 = time.monotonic()
+    episodes = play(client, f"{base}/v1", policy, pairs, split="val", temperature=directory.TEMPERATURE,
+                    max_tokens=directory.MAX_TOKENS, seed=seed + 7)  # fmt: skip
+    r = rung(name, episodes, time.monotonic() - t0)
+    echo(line(r))
+    return r
