@@ -8,9 +8,10 @@ better than the incumbent is <= alpha, however correlated the looks are (the seq
 that would inflate a test run after every new reward is what the fixed looks rule out).
 
 At a look, in order:
-1. errors: the share of the candidate's runs with a 5xx, an upstream error or a completion cut at
-   its length bound (finish_reason `length`) against the incumbent's. A one-sided two-proportion
-   z-test at alpha / looks AND an excess of at least `error_margin` rolls back on errors alone.
+1. errors: the share of the candidate's runs with a 5xx (an upstream error), a completion cut at
+   its length bound (finish_reason `length`) or a malformed tool call, against the incumbent's.
+   A one-sided two-proportion z-test at alpha / looks AND an excess of at least `error_margin`
+   rolls back on errors alone.
 2. reward, paired when the arms share at least `min_pairs` groups (a group's runs landed on both
    arms: the same task on both steps), else unpaired:
    - paired: a one-sided t-test on the per-group differences d_g = mean_c(g) - mean_i(g) (df = G - 1);

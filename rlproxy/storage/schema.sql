@@ -153,7 +153,8 @@ FROM (
         (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
         (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
         CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
-            AND (c.status_code >= 500 OR c.finish_reason = 'length')) THEN 1 ELSE 0 END AS errored
+            AND (c.status_code >= 500 OR c.finish_reason = 'length'
+                OR CAST(c.response AS TEXT) LIKE '%<tool_call>%')) THEN 1 ELSE 0 END AS errored
     FROM rollouts ro
     JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
         AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)

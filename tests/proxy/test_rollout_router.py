@@ -104,3 +104,12 @@ def test_the_first_step_of_a_policy_waits_for_its_rollout_too() -> None:
     assert {r.route("p", 1, f"n{i}") for i in range(100)} == {0}
     r.snap = {"p": PolicyRollouts(max_step=1, open=OpenRollout(1, 1, 0, 0.3), stable=0)}
     assert {r.route("p", 1, f"n{i}") for i in range(100)} == {0}  # they began on the base model
+
+
+def test_assignment_is_uniform_in_run_ids() -> None:
+    # 100k ids: the share is the fraction to within 3 standard errors (0.0015 each); a window of
+    # 200 runs is binomial (sd 0.032 at 0.3): +-5 points holds for ~88% of such windows, not all
+    n = 100_000
+    for fraction in (0.05, 0.3, 0.5):
+        share = sum(assign(11, f"w{i}", fraction) for i in range(n)) / n
+        assert abs(share - fraction) <= 3 * (fraction * (1 - fraction) / n) ** 0.5, (fraction, share)

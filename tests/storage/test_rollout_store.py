@@ -61,12 +61,24 @@ async def test_open_route_view_and_rollback(engine: AsyncEngine) -> None:
     await _run(engine, "i1", [1], 0.0, status_code=200, finish_reason="length")  # cut at its length
     await _run(engine, "i2", [1, 1], 0.5, status_code=200, finish_reason="stop")
     await _run(engine, "mixed", [1, 2], 1.0, status_code=200)  # spans the swap: neither arm
+    bad_tool = {"choices": [{"message": {"content": '<tool_call>{"name": oops</tool_call>'}}]}
+    await _run(engine, "c3", [2], 0.0, status_code=200, response=bad_tool)  # a malformed tool call
     cand, inc = await store.arm_runs(engine, rid)
-    assert sorted((r.reward or -1.0, r.errored) for r in cand) == [(-1.0, True), (1.0, False)]
+    assert sorted((-1.0 if r.reward is None else r.reward, r.errored) for r in cand) == [
+        (-1.0, True),
+        (0.0, True),
+        (1.0, False),
+    ]
     assert sorted((r.reward, r.errored) for r in inc) == [(0.0, True), (0.5, False)]
     async with engine.connect() as conn:
         arms = dict((await conn.execute(text("SELECT run_id, arm FROM rollout_runs"))).all())
-    assert arms == {"c1": "candidate", "c2": "candidate", "i1": "incumbent", "i2": "incumbent"}
+    assert arms == {
+        "c1": "candidate",
+        "c2": "candidate",
+        "c3": "candidate",
+        "i1": "incumbent",
+        "i2": "incumbent",
+    }
 
     assert await store.decide(engine, rid, "rollback", "by hand")
     assert not await store.decide(engine, rid, "promote", "too late")  # one decision per candidate

@@ -13,7 +13,8 @@ Create Date: 2026-12-01
   created_at, completed_at)`: the runs of each rollout's arms. A run belongs to a rollout when it
   was created while the rollout was open and every completion of it was served by the candidate or
   by the incumbent (one step: runs that span a swap count for neither). `errored`: 1 when one of its
-  completions got a 5xx or was cut at its length (finish_reason `length`). Correlated MIN/MAX per
+  completions got a 5xx, was cut at its length (finish_reason `length`) or holds a malformed tool
+  call (a `<tool_call>` block the parser could not read stays in the content as text). Correlated MIN/MAX per
   run read only that run's completions (uq_completions_run_seq).
 """
 
@@ -42,7 +43,8 @@ FROM (
         (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
         (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
         CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
-            AND (c.status_code >= 500 OR c.finish_reason = 'length')) THEN 1 ELSE 0 END AS errored
+            AND (c.status_code >= 500 OR c.finish_reason = 'length'
+                OR CAST(c.response AS TEXT) LIKE '%<tool_call>%')) THEN 1 ELSE 0 END AS errored
     FROM rollouts ro
     JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
         AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
