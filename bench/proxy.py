@@ -725,7 +725,9 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
                         turns=turns,
                     )
                 )
-                forwarded += stub_count(stub_url) - before_stub
+                # what the proxy accepted before wrk stopped still reaches the stub after it: count
+                # until the stub's count stops moving (else it lands in the next direct slice)
+                forwarded += settled(stub_url, before_stub, quiet_s=0.3)
                 cpu += proxy.cpu() - before_cpu
                 after_lag = loop_lag(proxy.url)
                 for le, n in after_lag.items():  # only the proxy slices' samples

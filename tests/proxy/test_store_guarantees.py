@@ -111,8 +111,14 @@ def test_reward_during_a_running_stream_is_503_then_200(make_proxy, stub):
     ]
 
 
-def test_dropped_records_are_a_prometheus_counter(make_proxy, stub):
-    """Case 7: the writer's dropped-record count is on /metrics (it was only in the log)."""
+def test_dropped_records_are_a_prometheus_counter(make_proxy, stub, monkeypatch):
+    """Case 7: the writer's dropped-record count is on /metrics (it was only in the log).
+
+    An unserializable record is now stored as a plain copy (records.storable, issue 22); here
+    that copy cannot help either (storable returns the record as it is), so the record is dropped."""
+    from rlproxy.storage import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "storable", lambda rec, reason: rec)
     proxy = make_proxy(stub.url)
     from rlproxy.storage.records import CompletionRecord
 
