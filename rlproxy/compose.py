@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlproxy.inference.backend import Backend
-from rlproxy.proxy import dashboard, routes_openai, routes_runs
+from rlproxy.proxy import dashboard, routes_openai, routes_runs, routes_untagged
 from rlproxy.proxy.app import ProxyState, create_app
 from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
@@ -207,6 +207,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
     #   POST /v1/chat/completions, POST /v1/completions, and both under /runs/{run_id}/v1/...
     #   (routes_openai.complete: forward + capture).
     api.include_router(routes_runs.router)  # rewards, runs, training steps, /healthz, /metrics
+    api.include_router(routes_untagged.router)  # untagged requests: listed, rewarded by reply id
     api.include_router(dashboard.router)  # GET / and its scripts
     api.include_router(routes_openai.passthrough)  # any other /v1/* path, relayed untouched
 
@@ -279,6 +280,7 @@ def build_readonly_app(settings: Settings) -> Limits:
     errors.install(api)
     for path, name in READONLY_ROUTES:
         api.add_api_route(path, getattr(routes_runs, name), methods=["GET"])
+    api.add_api_route("/v1/admin/untagged", routes_untagged.list_untagged, methods=["GET"])
 
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "mode": "read-only"}

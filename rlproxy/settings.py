@@ -239,6 +239,14 @@ class Settings(BaseSettings, TrainerConfig):
     judge_max_chars: int = Field(
         4000, ge=200, description="characters of each trajectory shown to the judge (the end is kept)"
     )
+    # --- a newcomer's first hour (issue 26) ---
+    dashboard_port: int = Field(
+        8100,
+        ge=0,
+        le=65535,
+        description="port `rlproxy dashboard` listens on (0 = any free port); `serve` has the dashboard "
+        "on its own port at `/`",
+    )
 
     @field_validator("upstream", mode="before")
     @classmethod

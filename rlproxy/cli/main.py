@@ -327,16 +327,53 @@ def runs(
     db: DbOpt = field_default("db_url"),
     status: Annotated[RunStatus | None, typer.Option(help="only runs with this status")] = None,
     limit: LimitOpt = 20,
+    untagged: Annotated[
+        bool,
+        typer.Option(
+            "--untagged",
+            help="requests that carried no run id instead (reward one by its reply_id: "
+            "POST /v1/completions/{reply_id}/reward)",
+        ),
+    ] = False,
 ) -> None:
     """A table of recent runs, newest first (`rlproxy runs show ID`: one run in full)."""
     if ctx.invoked_subcommand is not None:
         return
     from rlproxy.cli.output import print_table
     from rlproxy.storage import queries
+    from rlproxy.storage import untagged as untagged_store
 
-    found, _ = _read(db, lambda e: queries.list_runs(e, status=status.value if status else None, limit=limit))
+    if untagged:
+        if status is not None:
+            raise typer.BadParameter(
+                "--status is a run's: untagged requests have none", param_hint="--untagged"
+            )
+        found, _ = _read(db, lambda e: untagged_store.list_untagged(e, limit=limit))
+        cols = [
+            "reply_id",
+            "created_at",
+            "policy",
+            "policy_step",
+            "status_code",
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+        ]
+        print_table(cols, [[r.get(c) for c in cols] for r in found])
+        return
+
+    async def both(e: Any) -> Any:
+        listed = await queries.list_runs(e, status=status.value if status else None, limit=limit)
+        return listed[0], await untagged_store.count_untagged(e)
+
+    found, n_untagged = _read(db, both)
     cols = ["id", "group_id", "policy", "status", "reward", "n_completions", "trained_step", "created_at"]
     print_table(cols, [[r.get(c) for c in cols] for r in found])
+    if n_untagged:
+        typer.echo(
+            f"and {n_untagged} request{'' if n_untagged == 1 else 's'} without a run id "
+            "(no X-Run-Id): `rlproxy runs --untagged` lists them"
+        )
 
 
 @runs_app.command("show", epilog=ENV_NOTE)
@@ -470,7 +507,9 @@ def export(
 def dashboard(
     db: DbOpt = field_default("db_url"),
     host: Annotated[str, setting("host")] = field_default("host"),
-    port: Annotated[int, setting("port", min=0, max=65535)] = field_default("port"),
+    port: Annotated[int, setting("dashboard_port", "--port", min=0, max=65535)] = field_default(
+        "dashboard_port"
+    ),
     admin_key: Annotated[str | None, setting("admin_key", metavar="KEY")] = None,
     log_level: Annotated[LogLevel, typer.Option(help="log level")] = "warning",
 ) -> None:
