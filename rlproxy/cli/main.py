@@ -514,7 +514,15 @@ def dashboard(
     log_level: Annotated[LogLevel, typer.Option(help="log level")] = "warning",
 ) -> None:
     """The dashboard alone, read-only on a database: no model, no trainer, no OpenAI routes."""
+    from rlproxy.proxy.guard import is_loopback
+
     settings = make_settings(db_url=db, host=host, port=port, admin_key=admin_key, train=False)
+    if not is_loopback(settings.host) and not settings.admin_key:
+        raise typer.BadParameter(
+            f"serving every run's data on {settings.host} without a key: give --admin-key "
+            "(or RLPROXY_ADMIN_KEY), or keep --host on loopback (127.0.0.1)",
+            param_hint="--host",
+        )
     _read(settings.db_url, lambda e: asyncio.sleep(0))  # a bad --db is one error line, before serving
     _logging(log_level)
     _serve(settings, access_log=False, log_level=log_level, readonly=True)

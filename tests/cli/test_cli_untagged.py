@@ -48,3 +48,10 @@ def test_runs_untagged_lists_them_newest_first(db):
     assert "2026-12-01T10:02:00+00:00" in lines[2] and lines[-1] == "(3 rows)"  # the sample holds one more
     bad = runner.invoke(app, ["runs", "--untagged", "--status", "open", "--db", db])
     assert bad.exit_code == 2 and "untagged requests have none" in bad.output
+
+
+def test_dashboard_refuses_to_serve_beyond_loopback_without_a_key(db):
+    """Issue 22 case 14: `rlproxy dashboard --host 0.0.0.0` without a key served every run silently."""
+    out = runner.invoke(app, ["dashboard", "--db", db, "--host", "0.0.0.0"], env={"RLPROXY_ADMIN_KEY": ""})
+    assert out.exit_code == 2, out.output
+    assert "without a key: give --admin-key" in out.output and "Traceback" not in out.output
