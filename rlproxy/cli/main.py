@@ -364,7 +364,7 @@ def runs(
 
     async def both(e: Any) -> Any:
         listed = await queries.list_runs(e, status=status.value if status else None, limit=limit)
-        return listed[0], await untagged_store.count_untagged(e)
+        return listed[0], (await untagged_store.count_untagged(e)) if status is None else 0
 
     found, n_untagged = _read(db, both)
     cols = ["id", "group_id", "policy", "status", "reward", "n_completions", "trained_step", "created_at"]
@@ -383,7 +383,7 @@ def runs_show(
     json_out: Annotated[bool, typer.Option("--json", help="the run as one JSON object")] = False,
 ) -> None:
     """One run in full: its conversation, tool calls, token counts per completion, reward, status."""
-    from rlproxy.cli.output import run_lines
+    from rlproxy.cli.output import run_lines, safe
     from rlproxy.storage import queries
 
     run = _read(db, lambda e: queries.get_run(e, run_id))
@@ -396,7 +396,7 @@ def runs_show(
         sys.stdout.buffer.write(orjson.dumps(run, default=str, option=orjson.OPT_NON_STR_KEYS) + b"\n")
         return
     for line in run_lines(run):
-        typer.echo(line)
+        typer.echo(safe(line))
 
 
 @app.command(epilog=ENV_NOTE)
