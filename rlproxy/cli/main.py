@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from rlproxy.cli.options import ENV_NOTE, CleanErrors, field_default, setting
+from rlproxy.cli.options import ENV_NOTE, CleanErrors, field_default, setting, settings_flags
 from rlproxy.settings import Settings
 from rlproxy.storage.models import RunStatus
 
@@ -103,6 +103,7 @@ def _logging(level: str) -> None:
 
 
 @app.command(epilog=ENV_NOTE)
+@settings_flags()
 def serve(
     backend: Annotated[Backend, setting("backend")] = field_default("backend"),
     model: Annotated[str, setting("model")] = field_default("model"),
@@ -124,9 +125,14 @@ def serve(
         bool, typer.Option("--access-log/--no-access-log", help="one log line per request")
     ] = True,
     log_level: Annotated[LogLevel, typer.Option(help="log level")] = "info",
+    settings_given: dict[str, Any] | None = None,
 ) -> None:
-    """Run the proxy (and the embedded engine and trainer, by default)."""
+    """Run the proxy (and the embedded engine and trainer, by default).
+
+    Every setting is an option here (the ones after --log-level are generated from the settings).
+    """
     settings = make_settings(
+        **(settings_given or {}),
         backend=backend,
         model=model,
         upstream=upstream,
@@ -197,6 +203,7 @@ def engine(
 
 
 @app.command(epilog=ENV_NOTE)
+@settings_flags(skip=("host", "port", "api_key", "admin_key", "train", "blocking_train", "backend"))
 def train(
     db: DbOpt = field_default("db_url"),
     upstream: Annotated[
@@ -214,9 +221,11 @@ def train(
     groups_per_step: Annotated[int, setting("groups_per_step", min=1)] = field_default("groups_per_step"),
     nproc: Annotated[int, setting("nproc", min=0)] = field_default("nproc"),
     init_adapter: InitOpt = None,
+    settings_given: dict[str, Any] | None = None,
 ) -> None:
     """Run the trainer as its own process (or `--nproc N` ranks) until SIGTERM / Ctrl-C."""
     settings = make_settings(
+        **(settings_given or {}),
         db_url=db,
         upstream=upstream,
         model=model,
