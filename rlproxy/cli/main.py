@@ -152,8 +152,43 @@ def serve(
     _serve(settings, access_log, log_level)
 
 
+def _port_free(host: str, port: int) -> None:
+    """One error line now if `host:port` is taken, not a traceback once the model has loaded."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise typer.BadParameter(
+                    f"{host}:{port} is in use (another rlproxy serve or dashboard?): pick another --port",
+                    param_hint="--port",
+                ) from None
+            raise
+
+
+def _existing_db(url: str) -> None:
+    """`sft` and `fork` write into a store that must exist: a typo must not start an empty one."""
+    from rlproxy.storage.db import normalize_url, sqlite_path
+
+    path = sqlite_path(normalize_url(url)) if normalize_url(url).startswith("sqlite") else None
+    if path is not None and not Path(path).exists():
+        raise typer.BadParameter(
+            f"no database at {path} (`rlproxy serve --db {path}` creates one; check the path)",
+            param_hint="--db",
+        )
+
+
 def _serve(settings: Settings, access_log: bool, log_level: str, readonly: bool = False) -> None:
     from rlproxy.cli import processes
+
+    _port_free(settings.host, settings.port)
 
     def ready(base: str) -> None:
         if readonly:
@@ -245,8 +280,27 @@ def train(
         asyncio.run(run_trainer(settings))
 
 
+def _checkpoint_base(checkpoint_dir: str, policy: str) -> str | None:
+    """The base model the policy's newest checkpoint was trained on (peft records it), if any."""
+    import json
+    import re
+
+    folder = Path(checkpoint_dir) / re.sub(
+        r"[^A-Za-z0-9._-]", "_", policy
+    )  # as trainer/checkpoint.py names it
+    for step in sorted(folder.glob("step-*/adapter_config.json"), reverse=True):
+        try:
+            base = json.loads(step.read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError):
+            continue
+        if isinstance(base, str) and base and Path(base).is_dir():
+            return base
+    return None
+
+
 @app.command(epilog=ENV_NOTE)
 def sft(
+    ctx: typer.Context,
     policy: Annotated[str, typer.Option(help="the policy to train (its newest step is continued)")],
     where: Annotated[
         str | None,
@@ -287,6 +341,11 @@ def sft(
     settings = make_settings(
         db_url=db, upstream=upstream, model=model, checkpoint_dir=checkpoint_dir, learning_rate=learning_rate
     )
+    _existing_db(settings.db_url)
+    if ctx.get_parameter_source("model").name == "DEFAULT":  # the base is the checkpoint's, not a guess
+        base = _checkpoint_base(settings.checkpoint_dir, policy)
+        if base is not None:
+            settings = settings.model_copy(update={"model": base})
     _logging("warning")
     out = asyncio.run(
         processes.run_sft(settings, policy, where=where, file=file, epochs=epochs, batch_size=batch_size)
@@ -310,6 +369,7 @@ def fork(
     from rlproxy.cli import processes
 
     settings = make_settings(db_url=db, checkpoint_dir=checkpoint_dir)
+    _existing_db(settings.db_url)
     saved = asyncio.run(processes.fork(settings, source, new_policy))
     typer.echo(f"{new_policy}@1 = {source} ({saved.path}); a running serve serves it within seconds")
 

@@ -161,7 +161,11 @@ async def fork_policy(
     if not recorded:
         raise ConfigError(f"policy {parent!r} has no step {step} (`rlproxy steps --policy {parent}`)")
     if path is None or not (Path(path) / "adapter_config.json").is_file():
-        raise ConfigError(f"the checkpoint of {source} is gone (pruned by keep_checkpoints?): {path}")
+        where = f": {path}" if path else ""  # a pruned step's adapter_path is NULL
+        raise ConfigError(
+            f"the checkpoint of {source} is gone (pruned by keep_checkpoints; `rlproxy steps` shows the "
+            f"kept ones){where}"
+        )
     return await _start(
         db_url, config, new_policy, Path(path), kind="fork", backend=backend, parent=parent, parent_step=step
     )
