@@ -304,7 +304,11 @@ def sft(
     policy: Annotated[str, typer.Option(help="the policy to train (its newest step is continued)")],
     where: Annotated[
         str | None,
-        typer.Option(metavar="SQL", help='SQL condition over the trajectories view, e.g. "reward >= 0.9"'),
+        typer.Option(
+            metavar="SQL",
+            help="SQL condition over the trajectories view and the runs' columns (as export --where), "
+            "e.g. \"reward >= 0.9 AND policy = 'p'\"; validation runs are left out unless --include-val",
+        ),
     ] = None,
     file: Annotated[
         Path | None,
@@ -312,6 +316,21 @@ def sft(
             "--file", metavar="JSONL", help='OpenAI chat JSONL: {"messages": [...], "tools": [...]}'
         ),
     ] = None,
+    into: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NEW_POLICY",
+            help="train a fork: NEW_POLICY starts from POLICY's newest step (or the base) and gets the "
+            "SFT step; POLICY keeps serving as it was (promote NEW_POLICY when it is good)",
+        ),
+    ] = None,
+    publish: Annotated[
+        bool,
+        typer.Option("--publish", help="add the step to POLICY itself: every serve serves it within seconds"),
+    ] = False,
+    include_val: Annotated[
+        bool, typer.Option("--include-val", help="let --where select validation runs (split = 'val') too")
+    ] = False,
     epochs: Annotated[int, typer.Option(min=1, help="passes over the examples")] = 1,
     batch_size: Annotated[int, typer.Option(min=1, help="examples per optimizer step")] = 16,
     learning_rate: Annotated[float | None, setting("learning_rate", min=0)] = None,
@@ -338,6 +357,16 @@ def sft(
         raise typer.BadParameter("give one of --where (SQL over trajectories) and --file (chat JSONL)")
     if file is not None and not file.is_file():
         raise typer.BadParameter(f"{file} is not a file", param_hint="--file")
+    if into is None and not publish:
+        raise typer.BadParameter(
+            f"an SFT step on {policy!r} goes live on every serve within seconds: train a fork with "
+            f"--into NEW_POLICY (then promote it), or say --publish",
+            param_hint="--into/--publish",
+        )
+    if into is not None and publish:
+        raise typer.BadParameter("give --into NEW_POLICY or --publish, not both", param_hint="--into")
+    if where is not None and not include_val:  # held-out runs stay held out
+        where = f"({where}) AND split = 'train'"
     settings = make_settings(
         db_url=db, upstream=upstream, model=model, checkpoint_dir=checkpoint_dir, learning_rate=learning_rate
     )
@@ -347,13 +376,28 @@ def sft(
         if base is not None:
             settings = settings.model_copy(update={"model": base})
     _logging("warning")
+    target = policy
+    if into is not None:
+        from rlproxy.storage import queries
+
+        newest = _read(settings.db_url, queries.latest_adapters).get(policy)
+        if newest is not None:  # the fork starts where POLICY is; without a step it starts from the base
+            asyncio.run(processes.fork(settings, f"{policy}@{newest[0]}", into))
+            typer.echo(f"{into}@1 = {policy}@{newest[0]}")
+        target = into
+    typer.echo(f"SFT of {target}: reading the examples, then {epochs} epoch(s) ...")
     out = asyncio.run(
-        processes.run_sft(settings, policy, where=where, file=file, epochs=epochs, batch_size=batch_size)
+        processes.run_sft(settings, target, where=where, file=file, epochs=epochs, batch_size=batch_size)
     )
     typer.echo(
-        f"step {out['step']} of {policy} (sft): loss {out['loss/total']:.4f}, token accuracy "
+        f"step {out['step']} of {target} (sft): loss {out['loss/total']:.4f}, token accuracy "
         f"{out['sft/token_accuracy']:.3f}, {int(out['sft/examples'])} examples -> {out['adapter_path']}"
     )
+    if into is not None:
+        typer.echo(
+            f"{policy} is unchanged. Try the fork with model: {into!r}; promote it with "
+            f"RLPROXY_MODEL_MAP='*={into}' (or point the app's model at it)"
+        )
 
 
 @app.command(epilog=ENV_NOTE)

@@ -124,10 +124,12 @@ def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]
     return out
 
 
-async def records(engine: AsyncEngine, where: str | None = None) -> AsyncIterator[dict[str, Any]]:
-    """The export records of the runs `where` selects (all runs without it), oldest first.
+async def select_run_ids(engine: AsyncEngine, where: str | None = None) -> list[str]:
+    """The ids of the runs `where` selects, oldest first: SQL over the `trajectories` view's columns,
+    where a name the view lacks falls through to `runs` (`policy`, `split`, `created_at`, ...).
+    `rlproxy export --where` and `rlproxy sft --where` both select with it.
 
-    Raises what the database raises for a bad `where` (an SQLAlchemy error) before yielding.
+    Raises what the database raises for a bad `where` (an SQLAlchemy error).
     """
     clause = f"WHERE {where}" if where and where.strip() else ""
     ids_sql = (
@@ -135,7 +137,15 @@ async def records(engine: AsyncEngine, where: str | None = None) -> AsyncIterato
         f"(SELECT run_id FROM trajectories {clause}) ORDER BY r.created_at, r.id"
     )
     async with engine.connect() as conn:
-        ids = [row[0] for row in (await conn.execute(text(ids_sql))).all()]
+        return [row[0] for row in (await conn.execute(text(ids_sql))).all()]
+
+
+async def records(engine: AsyncEngine, where: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    """The export records of the runs `where` selects (all runs without it), oldest first.
+
+    Raises what the database raises for a bad `where` (an SQLAlchemy error) before yielding.
+    """
+    ids = await select_run_ids(engine, where)
     for start in range(0, len(ids), BATCH):
         batch = ids[start : start + BATCH]
         async with engine.connect() as conn:

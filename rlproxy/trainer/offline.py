@@ -219,17 +219,13 @@ async def sft_examples(db_url: str, tokenizer: Any, *, where: str | None, file: 
         raise ConfigError("give one of --where (SQL over the trajectories view) and --file (chat JSONL)")
     if file is not None:
         return [sft.chat_example(tokenizer, c["messages"], c.get("tools")) for c in sft.read_chats(file)]
-    from sqlalchemy import text
-
+    from rlproxy.storage.export import select_run_ids
     from rlproxy.storage.queries import open_readonly
 
     engine = await open_readonly(db_url)  # `where` is the operator's SQL: it may read, never write
     try:
-        async with engine.connect() as conn:
-            ids = [
-                r[0]
-                for r in (await conn.execute(text(f"SELECT run_id FROM trajectories WHERE {where}"))).all()
-            ]
+        # the runs' columns too (split, policy, ...), as `rlproxy export --where` reads them
+        ids = await select_run_ids(engine, where)
         runs = await load_runs(engine, ids) if ids else []
     finally:
         await engine.dispose()

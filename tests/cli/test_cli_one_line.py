@@ -40,7 +40,7 @@ def test_busy_port_is_one_line_before_anything_loads(tmp_path):
 
 @pytest.mark.parametrize(
     "args",
-    [["sft", "--policy", "p", "--file", "{chats}"], ["fork", "p@1", "q"]],
+    [["sft", "--policy", "p", "--file", "{chats}", "--publish"], ["fork", "p@1", "q"]],
     ids=["sft", "fork"],
 )
 def test_sft_and_fork_refuse_a_missing_database(tmp_path, args):
@@ -101,6 +101,7 @@ def test_sft_takes_the_base_model_from_the_checkpoint(tmp_path, monkeypatch, tin
         "p",
         "--file",
         str(chats),
+        "--publish",
         "--db",
         str(db),
         "--checkpoint-dir",

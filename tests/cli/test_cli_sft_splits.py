@@ -1,0 +1,99 @@
+"""SFT respects splits and asks before going live (issue 26, item 6). Today's code: `--where
+"... AND split = 'train'"` failed (`no such column: split`) though export accepted it, a validated
+(held-out) run was trained on, and `rlproxy sft --policy P` changed the served policy at once."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from typing import Any
+
+import pytest
+from cli_helpers import sample_db
+from typer.testing import CliRunner
+
+from rlproxy.cli import main
+from rlproxy.storage import export
+from rlproxy.storage.db import create_engine, normalize_url
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def db(tmp_path) -> str:
+    path = sample_db(tmp_path / "s.db")
+    with sqlite3.connect(path) as conn:  # one held-out run among the good ones
+        conn.execute("UPDATE runs SET split = 'val', status = 'validated' WHERE id = 'a'")
+    return str(path)
+
+
+def _ids(db: str, where: str) -> list[str]:
+    async def go() -> list[str]:
+        engine = create_engine(normalize_url(db))
+        try:
+            return await export.select_run_ids(engine, where)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def test_where_reads_the_runs_columns_as_export_does(db):
+    assert "a" in _ids(db, "reward >= 0.9")
+    assert "a" not in _ids(db, "reward >= 0.9 AND split = 'train'")  # `split` is a runs column
+    assert _ids(db, "policy = 'nope'") == []
+
+
+@pytest.fixture
+def sft_calls(monkeypatch) -> list[dict[str, Any]]:
+    from rlproxy.cli import processes
+
+    calls: list[dict[str, Any]] = []
+
+    async def fake_sft(settings: Any, policy: str, **kw: Any) -> dict[str, Any]:
+        calls.append({"policy": policy, **kw})
+        return {
+            "step": 2,
+            "loss/total": 1.0,
+            "sft/token_accuracy": 0.5,
+            "sft/examples": 3,
+            "adapter_path": "x",
+        }
+
+    async def fake_fork(settings: Any, source: str, new: str) -> Any:
+        calls.append({"fork": (source, new)})
+
+    monkeypatch.setattr(processes, "run_sft", fake_sft)
+    monkeypatch.setattr(processes, "fork", fake_fork)
+    return calls
+
+
+def test_sft_asks_before_going_live(db, sft_calls):
+    out = runner.invoke(main.app, ["sft", "--policy", "p", "--where", "reward >= 0.9", "--db", db])
+    assert out.exit_code == 2 and "--into NEW_POLICY" in out.output and "--publish" in out.output
+    assert sft_calls == []
+
+
+def test_sft_leaves_validation_runs_out_unless_asked(db, sft_calls):
+    out = runner.invoke(
+        main.app, ["sft", "--policy", "p", "--where", "reward >= 0.9", "--publish", "--db", db]
+    )
+    assert out.exit_code == 0, out.output
+    where = sft_calls[-1]["where"]
+    assert where == "(reward >= 0.9) AND split = 'train'" and "a" not in _ids(db, where)
+    out = runner.invoke(
+        main.app,
+        ["sft", "--policy", "p", "--where", "reward >= 0.9", "--publish", "--include-val", "--db", db],
+    )
+    assert out.exit_code == 0 and sft_calls[-1]["where"] == "reward >= 0.9"
+
+
+def test_sft_into_a_fork(db, sft_calls):
+    with sqlite3.connect(db) as conn:
+        policy, step = conn.execute(
+            "SELECT policy, max(step) FROM training_steps WHERE adapter_path IS NOT NULL GROUP BY policy"
+        ).fetchone()
+    out = runner.invoke(main.app, ["sft", "--policy", policy, "--file", db, "--into", "exp", "--db", db])
+    assert out.exit_code == 0, out.output
+    assert sft_calls[0] == {"fork": (f"{policy}@{step}", "exp")} and sft_calls[1]["policy"] == "exp"
+    assert f"{policy} is unchanged" in out.output and "RLPROXY_MODEL_MAP='*=exp'" in out.output
