@@ -3,7 +3,8 @@
 A record is the run's conversation in OpenAI chat format with its reward and the exact tokens of
 every completion (README, "Export"):
 
-    run_id, group_id, policy, status, reward, metrics, metadata, created_at
+    run_id, group_id, policy, status, split (train | val), reward, reward_source (app | judge),
+    metrics, metadata, created_at, completed_at (when rewarded), trained_step
     messages     the trajectory as the `trajectories` view has it: the last call's request messages
                  and the reply it got (SFT: TRL's `messages` column); content sent as text parts is
                  one string here, joined as the embedded engine joins it
@@ -97,10 +98,14 @@ def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]
         "group_id": run.get("group_id"),
         "policy": run.get("policy"),
         "status": run.get("status"),
+        "split": run.get("split"),
         "reward": run.get("reward"),
+        "reward_source": run.get("reward_source"),
         "metrics": _json(run.get("metrics")),
         "metadata": _json(run.get("metadata")),
         "created_at": _iso(run.get("created_at")),
+        "completed_at": _iso(run.get("completed_at")),
+        "trained_step": run.get("trained_step"),
         "messages": msgs,
         "tools": tools,
         "prompt": msgs[:split],

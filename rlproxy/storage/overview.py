@@ -156,3 +156,20 @@ async def group_rewards(
             }
         )
     return out
+
+
+async def fullest_waiting_group(engine: AsyncEngine) -> tuple[str, str, int] | None:
+    """(policy, group_id, rewarded runs) of the group of rewarded, untrained training runs that holds
+    the most (the newest on a tie): what the trainer waits on. None when no run waits."""
+    n = func.count().label("n")
+    query = (
+        select(RUNS.c.policy, RUNS.c.group_id, n)
+        .where(RUNS.c.status == "completed", RUNS.c.reward.is_not(None), RUNS.c.split == "train")
+        .where(RUNS.c.group_id.is_not(None))
+        .group_by(RUNS.c.policy, RUNS.c.group_id)
+        .order_by(n.desc(), func.max(RUNS.c.completed_at).desc())
+        .limit(1)
+    )
+    async with engine.connect() as conn:
+        row = (await conn.execute(query)).first()
+    return (row.policy, row.group_id, int(row.n)) if row is not None else None

@@ -97,3 +97,43 @@ def test_sft_into_a_fork(db, sft_calls):
     assert out.exit_code == 0, out.output
     assert sft_calls[0] == {"fork": (f"{policy}@{step}", "exp")} and sft_calls[1]["policy"] == "exp"
     assert f"{policy} is unchanged" in out.output and "RLPROXY_MODEL_MAP='*=exp'" in out.output
+
+
+def test_export_records_carry_split_time_and_reward_source(db, tmp_path):
+    """Issue 26 item 7: export records lacked split, completed_at and reward_source."""
+    import json
+
+    out_file = tmp_path / "runs.jsonl"
+    out = runner.invoke(main.app, ["export", "--format", "jsonl", "--out", str(out_file), "--db", db])
+    assert out.exit_code == 0, out.output
+    recs = {r["run_id"]: r for r in map(json.loads, out_file.read_text().splitlines())}
+    assert recs["a"]["split"] == "val" and recs["b"]["split"] == "train"
+    assert recs["a"].get("reward_source") in ("app", None)  # JSONL leaves a null key out
+    assert recs["a"]["completed_at"].endswith("+00:00") and recs["a"]["policy"]
+    where = "split = 'train' AND reward > 0.5"  # the runs' columns, as sft --where reads them
+    picked = tmp_path / "t.jsonl"
+    out = runner.invoke(
+        main.app, ["export", "--format", "jsonl", "--out", str(picked), "--db", db, "--where", where]
+    )
+    assert out.exit_code == 0, out.output
+    ids = [json.loads(line)["run_id"] for line in picked.read_text().splitlines()]
+    assert ids and "a" not in ids
+
+
+def test_the_group_the_trainer_waits_for(db):
+    """Issue 26 item 9: the trainer logs "waiting for rewarded runs: group 2/4 of g2" from this."""
+    from rlproxy.storage.overview import fullest_waiting_group
+
+    async def go() -> object:
+        engine = create_engine(normalize_url(db))
+        try:
+            return await fullest_waiting_group(engine)
+        finally:
+            await engine.dispose()
+
+    with sqlite3.connect(db) as conn:
+        want = conn.execute(
+            "SELECT policy, group_id, count(*) FROM runs WHERE status = 'completed' AND reward IS NOT NULL "
+            "AND split = 'train' GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 1"
+        ).fetchone()
+    assert asyncio.run(go()) == tuple(want)
