@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlproxy.inference.backend import Backend
-from rlproxy.proxy import dashboard, routes_openai, routes_runs, routes_untagged
+from rlproxy.proxy import dashboard, routes_models, routes_openai, routes_runs, routes_untagged
 from rlproxy.proxy.app import ProxyState, create_app
 from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
@@ -208,6 +208,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> Limits:
     #   (routes_openai.complete: forward + capture).
     api.include_router(routes_runs.router)  # rewards, runs, training steps, /healthz, /metrics
     api.include_router(routes_untagged.router)  # untagged requests: listed, rewarded by reply id
+    api.include_router(routes_models.router)  # GET /v1/models by name, never the server's paths
     api.include_router(dashboard.router)  # GET / and its scripts
     api.include_router(routes_openai.passthrough)  # any other /v1/* path, relayed untouched
 

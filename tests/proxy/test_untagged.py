@@ -84,3 +84,25 @@ def test_reply_reward_refusals(make_proxy, engine_backend):
     ok = httpx.post(f"{proxy.url}/v1/completions/{lone}/reward", json={"reward": 1.0})
     assert ok.status_code == 200 and ok.json()["stored"] is True
     assert proxy.query("SELECT reward FROM runs WHERE id = 'secret-run-7'") == [(None,)]
+
+
+def test_models_list_shows_names_not_paths(make_proxy, engine_backend):
+    """Issue 22 case 14: `/v1/models` showed agents the model folder (and each adapter's checkpoint)."""
+    proxy = make_proxy(engine_backend.base_url, model=engine_backend.served_model)
+    for base in (f"{proxy.url}/v1", f"{proxy.url}/runs/ep-1/v1"):
+        body = openai.OpenAI(base_url=base, api_key="none", max_retries=0).models.list().model_dump()
+        assert body["data"] and body["data"][0]["id"] == engine_backend.served_model
+        text = httpx.get(f"{base}/models").text
+        assert "/" not in text.replace("\\/", ""), text  # no path anywhere in the answer
+    from rlproxy.proxy.routes_models import names_only
+
+    listed = {
+        "data": [
+            {"id": "m", "root": "/srv/models/m"},
+            {"id": "m@3", "root": "/ck/m/step-0003", "parent": "/srv/models/m"},
+        ]
+    }
+    assert names_only(listed)["data"] == [
+        {"id": "m", "root": "m"},
+        {"id": "m@3", "root": "m@3", "parent": "m"},
+    ]
