@@ -612,7 +612,6 @@ def export(
     if out.exists() and out.is_dir() and fmt == "hf":
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    typer.echo(f"exporting runs{f' where {where}' if where else ''} to {out} ({fmt}) ...", err=True)
     n = _read(db, lambda e: exporter.write(e, fmt, out, where))
     typer.echo(f"wrote {n} run{'' if n == 1 else 's'} to {out} ({fmt})")
 
