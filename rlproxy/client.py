@@ -7,10 +7,13 @@
         run.reward(0.8, metrics={"turns": 2})
 
 `run.openai` is an ordinary `openai.OpenAI` client whose every request carries `X-Run-Id` (and
-`X-Group-Id` when given); `run.reward(...)` posts `POST {base_url}/runs/{id}/reward` with the same
-key and raises `RewardError` on any 4xx/5xx (404 unknown run, 409 a different reward, 422 a bad
-value), after retrying a 503 (a stream of the run still running, a busy store) a few times as its
-`Retry-After` says. `arun(...)` is the same with `openai.AsyncOpenAI` and `await run.reward(...)`.
+`X-Group-Id` with `group_id=`, `X-Split: val` with `split="val"`: a validation run, never trained);
+other keyword arguments go to `openai.OpenAI` as they are (`default_headers` are merged with the
+run's). `run.reward(...)` posts `POST {base_url}/runs/{id}/reward` with the same key and raises
+`RewardError` on any 4xx/5xx (404 unknown run, 409 a different reward, 422 a bad value), after
+retrying a 503 (a stream of the run still running, a busy store) a few times as its `Retry-After`
+says; `run.complete(rubric=...)` ends the run without a number for the judge (`/complete`).
+`arun(...)` is the same with `openai.AsyncOpenAI` and `await run.reward(...)`.
 
 The proxy stays the zero-code path: this module only saves typing the header and checking the
 reward's status. It depends on `openai` and `httpx` alone, never on the rest of rlproxy.
@@ -99,15 +102,43 @@ def _check(response: httpx.Response) -> dict:
     raise RewardError(response.status_code, message, str(code) if code is not None else None, body)
 
 
+def _complete_body(rubric: str | None, metadata: dict[str, Any] | None) -> dict:
+    body: dict[str, Any] = {}
+    if rubric is not None:
+        body["rubric"] = rubric
+    if metadata is not None:
+        body["metadata"] = metadata
+    return body
+
+
 class _RunBase:
-    def __init__(self, base_url: str, api_key: str | None, run_id: str, group_id: str | None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        run_id: str,
+        group_id: str | None,
+        split: str | None = None,
+        kw: dict[str, Any] | None = None,
+    ) -> None:
+        if split not in (None, "train", "val"):
+            raise ValueError(f'split must be "train" or "val", not {split!r}')
         self.base_url = base_url
         self.id = run_id
         self.group_id = group_id
-        self.headers = {"X-Run-Id": run_id, **({"X-Group-Id": group_id} if group_id else {})}
+        self.split = split
+        self.headers = {
+            "X-Run-Id": run_id,
+            **({"X-Group-Id": group_id} if group_id else {}),
+            **({"X-Split": split} if split else {}),
+        }
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._api_key = api_key or "none"  # the OpenAI SDK wants some key; an open proxy ignores it
         self.reward_url = f"{base_url}/runs/{run_id}/reward"
+        self.complete_url = f"{base_url}/runs/{run_id}/complete"
+        self._openai_kw = dict(kw or {})
+        extra = self._openai_kw.pop("default_headers", None) or {}
+        self._openai_kw["default_headers"] = {**extra, **self.headers}  # the run's headers win
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} at {self.base_url}>"
@@ -116,25 +147,36 @@ class _RunBase:
 class Run(_RunBase):
     """One episode: `openai` (an `openai.OpenAI` carrying the run's headers), `id`, `reward(...)`."""
 
-    def __init__(self, base_url: str, api_key: str | None, run_id: str, group_id: str | None, **kw: Any):
-        super().__init__(base_url, api_key, run_id, group_id)
-        self.openai = openai.OpenAI(
-            base_url=base_url, api_key=self._api_key, default_headers=self.headers, **kw
-        )
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        run_id: str,
+        group_id: str | None,
+        split: str | None = None,
+        **kw: Any,
+    ):
+        super().__init__(base_url, api_key, run_id, group_id, split, kw)
+        self.openai = openai.OpenAI(base_url=base_url, api_key=self._api_key, **self._openai_kw)
         self._http = httpx.Client(timeout=60.0)
+
+    def _post(self, url: str, body: dict) -> dict:
+        for attempt in range(_RETRIES_503 + 1):
+            response = self._http.post(url, json=body, headers=self._auth)
+            if response.status_code != 503 or attempt == _RETRIES_503:
+                return _check(response)
+            time.sleep(_wait(response))
+        raise AssertionError("unreachable")
 
     def reward(
         self, value: float, metrics: dict[str, float] | None = None, metadata: dict[str, Any] | None = None
     ) -> dict:
         """Post the run's reward; the proxy's answer (`{"run_id", "reward", "stored"}`), or `RewardError`."""
-        for attempt in range(_RETRIES_503 + 1):
-            response = self._http.post(
-                self.reward_url, json=_body(value, metrics, metadata), headers=self._auth
-            )
-            if response.status_code != 503 or attempt == _RETRIES_503:
-                return _check(response)
-            time.sleep(_wait(response))
-        raise AssertionError("unreachable")
+        return self._post(self.reward_url, _body(value, metrics, metadata))
+
+    def complete(self, rubric: str | None = None, metadata: dict[str, Any] | None = None) -> dict:
+        """End the run without a number: the judge scores its group (`{"run_id", "judge": true, ...}`)."""
+        return self._post(self.complete_url, _complete_body(rubric, metadata))
 
     def close(self) -> None:
         self.openai.close()
@@ -144,25 +186,36 @@ class Run(_RunBase):
 class AsyncRun(_RunBase):
     """`Run` with `openai.AsyncOpenAI` and `await run.reward(...)`."""
 
-    def __init__(self, base_url: str, api_key: str | None, run_id: str, group_id: str | None, **kw: Any):
-        super().__init__(base_url, api_key, run_id, group_id)
-        self.openai = openai.AsyncOpenAI(
-            base_url=base_url, api_key=self._api_key, default_headers=self.headers, **kw
-        )
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        run_id: str,
+        group_id: str | None,
+        split: str | None = None,
+        **kw: Any,
+    ):
+        super().__init__(base_url, api_key, run_id, group_id, split, kw)
+        self.openai = openai.AsyncOpenAI(base_url=base_url, api_key=self._api_key, **self._openai_kw)
         self._http = httpx.AsyncClient(timeout=60.0)
+
+    async def _post(self, url: str, body: dict) -> dict:
+        for attempt in range(_RETRIES_503 + 1):
+            response = await self._http.post(url, json=body, headers=self._auth)
+            if response.status_code != 503 or attempt == _RETRIES_503:
+                return _check(response)
+            await asyncio.sleep(_wait(response))
+        raise AssertionError("unreachable")
 
     async def reward(
         self, value: float, metrics: dict[str, float] | None = None, metadata: dict[str, Any] | None = None
     ) -> dict:
         """Post the run's reward; the proxy's answer (`{"run_id", "reward", "stored"}`), or `RewardError`."""
-        for attempt in range(_RETRIES_503 + 1):
-            response = await self._http.post(
-                self.reward_url, json=_body(value, metrics, metadata), headers=self._auth
-            )
-            if response.status_code != 503 or attempt == _RETRIES_503:
-                return _check(response)
-            await asyncio.sleep(_wait(response))
-        raise AssertionError("unreachable")
+        return await self._post(self.reward_url, _body(value, metrics, metadata))
+
+    async def complete(self, rubric: str | None = None, metadata: dict[str, Any] | None = None) -> dict:
+        """End the run without a number: the judge scores its group."""
+        return await self._post(self.complete_url, _complete_body(rubric, metadata))
 
     async def aclose(self) -> None:
         await self.openai.close()
@@ -175,13 +228,15 @@ def run(
     api_key: str | None = None,
     run_id: str | None = None,
     group_id: str | None = None,
+    split: str | None = None,
     **openai_kwargs: Any,
 ) -> Iterator[Run]:
     """One run: `base_url` is the proxy's `/v1` URL (default `OPENAI_BASE_URL`), `api_key` its agents'
-    key (default `OPENAI_API_KEY`), `run_id` a new `run-<hex>` unless given; `openai_kwargs` go to
-    `openai.OpenAI` (`max_retries=`, `timeout=`, ...). The clients are closed on exit."""
+    key (default `OPENAI_API_KEY`), `run_id` a new `run-<hex>` unless given, `split="val"` a
+    validation run; `openai_kwargs` go to `openai.OpenAI` (`max_retries=`, `timeout=`,
+    `default_headers=` merged with the run's). The clients are closed on exit."""
     base, key, rid = _settings(base_url, api_key, run_id)
-    r = Run(base, key, rid, group_id, **openai_kwargs)
+    r = Run(base, key, rid, group_id, split, **openai_kwargs)
     try:
         yield r
     finally:
@@ -194,11 +249,12 @@ async def arun(
     api_key: str | None = None,
     run_id: str | None = None,
     group_id: str | None = None,
+    split: str | None = None,
     **openai_kwargs: Any,
 ) -> AsyncIterator[AsyncRun]:
     """`run` for asyncio code: `async with rlproxy.client.arun(...) as run:`."""
     base, key, rid = _settings(base_url, api_key, run_id)
-    r = AsyncRun(base, key, rid, group_id, **openai_kwargs)
+    r = AsyncRun(base, key, rid, group_id, split, **openai_kwargs)
     try:
         yield r
     finally:

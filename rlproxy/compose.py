@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from rlproxy.inference.backend import Backend
-from rlproxy.proxy import dashboard, routes_openai, routes_rollouts, routes_runs
+from rlproxy.proxy import (
+    dashboard,
+    routes_models,
+    routes_openai,
+    routes_rollouts,
+    routes_runs,
+    routes_untagged,
+)
 from rlproxy.proxy.app import ProxyState, create_app
 from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
@@ -253,6 +260,8 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     #   POST /v1/chat/completions, POST /v1/completions, and both under /runs/{run_id}/v1/...
     #   (routes_openai.complete: forward + capture).
     api.include_router(routes_runs.router)  # rewards, runs, training steps, /healthz, /metrics
+    api.include_router(routes_untagged.router)  # untagged requests: listed, rewarded by reply id
+    api.include_router(routes_models.router)  # GET /v1/models by name, never the server's paths
     api.include_router(dashboard.router)  # GET / and its scripts
     api.include_router(routes_rollouts.router)  # GET /rollouts (canary panel) and its data (issue 28)
     api.include_router(routes_openai.passthrough)  # any other /v1/* path, relayed untouched
@@ -328,6 +337,7 @@ def build_readonly_app(settings: Settings) -> Limits:
     errors.install(api)
     for path, name in READONLY_ROUTES:
         api.add_api_route(path, getattr(routes_runs, name), methods=["GET"])
+    api.add_api_route("/v1/admin/untagged", routes_untagged.list_untagged, methods=["GET"])
 
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "mode": "read-only"}

@@ -325,6 +325,15 @@ class Settings(BaseSettings, TrainerConfig):
         "`policy=ENV_NAME`; a policy not listed sends `upstream_api_key`",
     )
 
+    # --- a newcomer's first hour (issue 26) ---
+    dashboard_port: int = Field(
+        8100,
+        ge=0,
+        le=65535,
+        description="port `rlproxy dashboard` listens on (0 = any free port); `serve` has the dashboard "
+        "on its own port at `/`",
+    )
+
     @field_validator("upstream", mode="before")
     @classmethod
     def _upstream_list(cls, value: object) -> object:

@@ -136,3 +136,34 @@ def test_reward_retries_a_503_while_a_stream_of_the_run_runs(proxy: ProxyServer)
         assert time.monotonic() - started >= 0.3  # it was refused at least once
         done.join(10)
     assert proxy.query("SELECT status, stream FROM completions") == [("ok", 1)]
+
+
+def test_kwargs_pass_through_and_default_headers_merge(proxy: ProxyServer) -> None:
+    """Issue 26: `run(default_headers=...)` was a TypeError (passed twice to openai.OpenAI)."""
+    with rlproxy.client.run(
+        base_url=f"{proxy.url}/v1", default_headers={"X-App": "mine", "X-Run-Id": "not-this"}, timeout=30
+    ) as run:
+        run.openai.chat.completions.create(model="stub-model", messages=MESSAGES)
+        assert run.openai.timeout == 30
+        headers = run.openai.default_headers
+        assert headers["X-App"] == "mine" and headers["X-Run-Id"] == run.id
+    assert proxy.query("SELECT run_id FROM completions") == [(run.id,)]  # the run's own id wins
+
+
+def test_split_val_makes_a_validation_run(proxy: ProxyServer) -> None:
+    with rlproxy.client.run(base_url=f"{proxy.url}/v1", split="val") as run:
+        run.openai.chat.completions.create(model="stub-model", messages=MESSAGES)
+        run.reward(1.0)
+    assert proxy.query("SELECT split, status FROM runs") == [("val", "validated")]
+    with pytest.raises(ValueError, match="split"):
+        rlproxy.client.run(base_url=f"{proxy.url}/v1", split="test").__enter__()
+
+
+def test_complete_hands_the_run_to_the_judge(proxy: ProxyServer) -> None:
+    with rlproxy.client.run(base_url=f"{proxy.url}/v1") as run:
+        run.openai.chat.completions.create(model="stub-model", messages=MESSAGES)
+        answer = run.complete(rubric="A short answer scores 1.")
+    assert answer["judge"] is True and answer["stored"] is True
+    assert proxy.query("SELECT reward_source, judge_rubric, status FROM runs") == [
+        ("judge", "A short answer scores 1.", "completed")
+    ]

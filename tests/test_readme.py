@@ -392,22 +392,82 @@ def test_command_lines_name_real_options() -> None:
 # --- the configuration table and the tested queries -----------------------------------------------
 
 
+CONFIGURATION = ROOT / "docs" / "configuration.md"  # the settings table's page
+DATA = ROOT / "docs" / "data.md"  # the "Query your trajectories" section's page
+
+
 def test_configuration_table_is_generated_from_settings() -> None:
-    table = re.search(r"<!-- settings:start -->\n(.*?)\n<!-- settings:end -->", README, re.S)
-    assert table, "README.md lost its settings markers"
+    text = CONFIGURATION.read_text()
+    table = re.search(r"<!-- settings:start -->\n(.*?)\n<!-- settings:end -->", text, re.S)
+    assert table, "docs/configuration.md lost its settings markers"
     assert table.group(1).strip() == settings_markdown().strip(), (
-        "README configuration table is stale: paste the output of "
+        "docs/configuration.md's table is stale: paste the output of "
         "`python -c 'from rlproxy.settings import settings_markdown; print(settings_markdown())'`"
     )
 
 
 def test_readme_queries_are_the_tested_queries() -> None:
     """tests/storage/test_readme_queries.py checks their exact answers on a sample database."""
+    text = DATA.read_text()
     for title, sql in QUERIES.items():
-        assert sql.strip() in README, (
-            f"README query {title!r} differs from tests/storage/test_readme_queries.py"
+        assert sql.strip() in text, (
+            f"docs/data.md query {title!r} differs from tests/storage/test_readme_queries.py"
         )
 
 
 def test_front_door_commands() -> None:
     assert "make demo" in README and "make test" in README
+    assert len(README.splitlines()) <= 300, "the README is the five-minute start: <= 300 lines"
+    targets = set(re.findall(r"^([a-z-]+):", (ROOT / "Makefile").read_text(), re.M))
+    assert {"install", "demo", "test", "docs", "bench-compare"} <= targets
+
+
+# --- defaults quoted in prose are the settings' ----------------------------------------------------
+
+# "`group_size` (default 4)" or "`group_timeout` (default `600.0`)": a setting's name in backquotes,
+# then its default in parentheses. Each such quote must be the setting's default.
+_QUOTED_DEFAULT = re.compile(r"`([a-z_]+)` \(default `?([^`),;]+)`?[),;]")
+
+
+def _defaults() -> dict[str, str]:
+    from rlproxy.cli.options import default_text
+
+    return {name: str(default_text(name)) for name in Settings.model_fields}
+
+
+def _quoted_default_problems(text: str, where: str) -> list[str]:
+    defaults, problems = _defaults(), []
+    for name, value in _QUOTED_DEFAULT.findall(text):
+        if name in defaults and value.strip() not in {defaults[name], defaults[name].lower()}:
+            problems.append(
+                f"{where}: `{name}` (default {value.strip()}) but the setting's is {defaults[name]}"
+            )
+    return problems
+
+
+def test_quoted_defaults_are_the_settings() -> None:
+    pages = [("README.md", README)] + [(str(p.relative_to(ROOT)), p.read_text()) for p in DOCS]
+    problems = [p for where, text in pages for p in _quoted_default_problems(text, where)]
+    assert not problems, "\n".join(problems)
+    assert _quoted_default_problems("`group_size` (default 8)", "x") == [
+        "x: `group_size` (default 8) but the setting's is 4"
+    ]
+    assert not _quoted_default_problems("`group_size` (default 4) and `beta` (default `0.0`)", "x")
+
+
+# --- the docs site ----------------------------------------------------------------------------------
+
+
+def test_docs_site_builds_strict(tmp_path: Path) -> None:
+    """`mkdocs build --strict`: a broken link, a missing nav page or a bad anchor fails."""
+    mkdocs = BIN / "mkdocs"
+    require(mkdocs.exists(), "the docs site needs mkdocs (the dev extra): .venv/bin/pip install -e '.[dev]'")
+    out = subprocess.run(
+        [str(mkdocs), "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, _shown(out)
+    assert (tmp_path / "site" / "configuration" / "index.html").exists()

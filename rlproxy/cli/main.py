@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from rlproxy.cli.options import ENV_NOTE, CleanErrors, field_default, setting
+from rlproxy.cli.options import ENV_NOTE, CleanErrors, field_default, setting, settings_flags
 from rlproxy.settings import Settings
 from rlproxy.storage.models import RunStatus
 
@@ -103,6 +103,7 @@ def _logging(level: str) -> None:
 
 
 @app.command(epilog=ENV_NOTE)
+@settings_flags()
 def serve(
     backend: Annotated[Backend, setting("backend")] = field_default("backend"),
     model: Annotated[str, setting("model")] = field_default("model"),
@@ -124,9 +125,14 @@ def serve(
         bool, typer.Option("--access-log/--no-access-log", help="one log line per request")
     ] = True,
     log_level: Annotated[LogLevel, typer.Option(help="log level")] = "info",
+    settings_given: dict[str, Any] | None = None,
 ) -> None:
-    """Run the proxy (and the embedded engine and trainer, by default)."""
+    """Run the proxy (and the embedded engine and trainer, by default).
+
+    Every setting is an option here (the ones after --log-level are generated from the settings).
+    """
     settings = make_settings(
+        **(settings_given or {}),
         backend=backend,
         model=model,
         upstream=upstream,
@@ -146,8 +152,43 @@ def serve(
     _serve(settings, access_log, log_level)
 
 
+def _port_free(host: str, port: int) -> None:
+    """One error line now if `host:port` is taken, not a traceback once the model has loaded."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise typer.BadParameter(
+                    f"{host}:{port} is in use (another rlproxy serve or dashboard?): pick another --port",
+                    param_hint="--port",
+                ) from None
+            raise
+
+
+def _existing_db(url: str) -> None:
+    """`sft` and `fork` write into a store that must exist: a typo must not start an empty one."""
+    from rlproxy.storage.db import normalize_url, sqlite_path
+
+    path = sqlite_path(normalize_url(url)) if normalize_url(url).startswith("sqlite") else None
+    if path is not None and not Path(path).exists():
+        raise typer.BadParameter(
+            f"no database at {path} (`rlproxy serve --db {path}` creates one; check the path)",
+            param_hint="--db",
+        )
+
+
 def _serve(settings: Settings, access_log: bool, log_level: str, readonly: bool = False) -> None:
     from rlproxy.cli import processes
+
+    _port_free(settings.host, settings.port)
 
     def ready(base: str) -> None:
         if readonly:
@@ -200,6 +241,7 @@ def engine(
 
 
 @app.command(epilog=ENV_NOTE)
+@settings_flags(skip=("host", "port", "api_key", "admin_key", "train", "blocking_train", "backend"))
 def train(
     db: DbOpt = field_default("db_url"),
     upstream: Annotated[
@@ -217,9 +259,11 @@ def train(
     groups_per_step: Annotated[int, setting("groups_per_step", min=1)] = field_default("groups_per_step"),
     nproc: Annotated[int, setting("nproc", min=0)] = field_default("nproc"),
     init_adapter: InitOpt = None,
+    settings_given: dict[str, Any] | None = None,
 ) -> None:
     """Run the trainer as its own process (or `--nproc N` ranks) until SIGTERM / Ctrl-C."""
     settings = make_settings(
+        **(settings_given or {}),
         db_url=db,
         upstream=upstream,
         model=model,
@@ -239,12 +283,35 @@ def train(
         asyncio.run(run_trainer(settings))
 
 
+def _checkpoint_base(checkpoint_dir: str, policy: str) -> str | None:
+    """The base model the policy's newest checkpoint was trained on (peft records it), if any."""
+    import json
+    import re
+
+    folder = Path(checkpoint_dir) / re.sub(
+        r"[^A-Za-z0-9._-]", "_", policy
+    )  # as trainer/checkpoint.py names it
+    for step in sorted(folder.glob("step-*/adapter_config.json"), reverse=True):
+        try:
+            base = json.loads(step.read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError):
+            continue
+        if isinstance(base, str) and base and Path(base).is_dir():
+            return base
+    return None
+
+
 @app.command(epilog=ENV_NOTE)
 def sft(
+    ctx: typer.Context,
     policy: Annotated[str, typer.Option(help="the policy to train (its newest step is continued)")],
     where: Annotated[
         str | None,
-        typer.Option(metavar="SQL", help='SQL condition over the trajectories view, e.g. "reward >= 0.9"'),
+        typer.Option(
+            metavar="SQL",
+            help="SQL condition over the trajectories view and the runs' columns (as export --where), "
+            "e.g. \"reward >= 0.9 AND policy = 'p'\"; validation runs are left out unless --include-val",
+        ),
     ] = None,
     file: Annotated[
         Path | None,
@@ -267,10 +334,18 @@ def sft(
         str | None,
         typer.Option(
             metavar="NEW_POLICY",
-            help="publish as step 1 of this new policy (default with --from-policy: POLICY-distilled), "
-            "so live traffic stays on POLICY until the model map routes an app to it",
+            help="train a fork: NEW_POLICY gets the SFT step as its step 1, starting from POLICY's newest "
+            "step (or the base); POLICY keeps serving as it was, promote NEW_POLICY when it is good "
+            "(default with --from-policy: POLICY-distilled)",
         ),
     ] = None,
+    publish: Annotated[
+        bool,
+        typer.Option("--publish", help="add the step to POLICY itself: every serve serves it within seconds"),
+    ] = False,
+    include_val: Annotated[
+        bool, typer.Option("--include-val", help="let --where select validation runs (split = 'val') too")
+    ] = False,
     epochs: Annotated[int, typer.Option(min=1, help="passes over the examples")] = 1,
     batch_size: Annotated[int, typer.Option(min=1, help="examples per optimizer step")] = 16,
     learning_rate: Annotated[float | None, setting("learning_rate", min=0)] = None,
@@ -301,14 +376,29 @@ def sft(
         into = f"{policy}-distilled"  # a new policy: the student's live traffic is not switched
     if file is not None and not file.is_file():
         raise typer.BadParameter(f"{file} is not a file", param_hint="--file")
+    if into is None and not publish:
+        raise typer.BadParameter(
+            f"an SFT step on {policy!r} goes live on every serve within seconds: train a fork with "
+            f"--into NEW_POLICY (then promote it), or say --publish",
+            param_hint="--into/--publish",
+        )
+    if into is not None and publish:
+        raise typer.BadParameter("give --into NEW_POLICY or --publish, not both", param_hint="--into")
     settings = make_settings(
         db_url=db, upstream=upstream, model=model, checkpoint_dir=checkpoint_dir, learning_rate=learning_rate
     )
+    _existing_db(settings.db_url)
+    if ctx.get_parameter_source("model").name == "DEFAULT":  # the base is the checkpoint's, not a guess
+        base = _checkpoint_base(settings.checkpoint_dir, policy)
+        if base is not None:
+            settings = settings.model_copy(update={"model": base})
     _logging("warning")
 
     def progress(done: int, total: int, metrics: dict[str, float]) -> None:
         typer.echo(f"sft: optimizer step {done}/{total}, loss {metrics['loss/total']:.4f}", err=True)
 
+    target = into or policy
+    typer.echo(f"SFT of {target}: reading the examples, then {epochs} epoch(s) ...")
     out = asyncio.run(
         processes.run_sft(
             settings,
@@ -320,13 +410,19 @@ def sft(
             from_policy=from_policy,
             min_reward=min_reward,
             into=into,
+            include_val=include_val,
             on_step=progress,
         )
     )
     typer.echo(
-        f"step {out['step']} of {out['policy']} (sft): loss {out['loss/total']:.4f}, token accuracy "
+        f"step {out['step']} of {target} (sft): loss {out['loss/total']:.4f}, token accuracy "
         f"{out['sft/token_accuracy']:.3f}, {int(out['sft/examples'])} examples -> {out['adapter_path']}"
     )
+    if into is not None:
+        typer.echo(
+            f"{policy} is unchanged. Try the fork with model: {into!r}; promote it with "
+            f"RLPROXY_MODEL_MAP='*={into}' (or point the app's model at it)"
+        )
 
 
 @app.command(epilog=ENV_NOTE)
@@ -342,6 +438,7 @@ def fork(
     from rlproxy.cli import processes
 
     settings = make_settings(db_url=db, checkpoint_dir=checkpoint_dir)
+    _existing_db(settings.db_url)
     saved = asyncio.run(processes.fork(settings, source, new_policy))
     typer.echo(f"{new_policy}@1 = {source} ({saved.path}); a running serve serves it within seconds")
 
@@ -368,16 +465,53 @@ def runs(
     db: DbOpt = field_default("db_url"),
     status: Annotated[RunStatus | None, typer.Option(help="only runs with this status")] = None,
     limit: LimitOpt = 20,
+    untagged: Annotated[
+        bool,
+        typer.Option(
+            "--untagged",
+            help="requests that carried no run id instead (reward one by its reply_id: "
+            "POST /v1/completions/{reply_id}/reward)",
+        ),
+    ] = False,
 ) -> None:
     """A table of recent runs, newest first (`rlproxy runs show ID`: one run in full)."""
     if ctx.invoked_subcommand is not None:
         return
     from rlproxy.cli.output import print_table
     from rlproxy.storage import queries
+    from rlproxy.storage import untagged as untagged_store
 
-    found, _ = _read(db, lambda e: queries.list_runs(e, status=status.value if status else None, limit=limit))
+    if untagged:
+        if status is not None:
+            raise typer.BadParameter(
+                "--status is a run's: untagged requests have none", param_hint="--untagged"
+            )
+        found, _ = _read(db, lambda e: untagged_store.list_untagged(e, limit=limit))
+        cols = [
+            "reply_id",
+            "created_at",
+            "policy",
+            "policy_step",
+            "status_code",
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+        ]
+        print_table(cols, [[r.get(c) for c in cols] for r in found])
+        return
+
+    async def both(e: Any) -> Any:
+        listed = await queries.list_runs(e, status=status.value if status else None, limit=limit)
+        return listed[0], (await untagged_store.count_untagged(e)) if status is None else 0
+
+    found, n_untagged = _read(db, both)
     cols = ["id", "group_id", "policy", "status", "reward", "n_completions", "trained_step", "created_at"]
     print_table(cols, [[r.get(c) for c in cols] for r in found])
+    if n_untagged:
+        typer.echo(
+            f"and {n_untagged} request{'' if n_untagged == 1 else 's'} without a run id "
+            "(no X-Run-Id): `rlproxy runs --untagged` lists them"
+        )
 
 
 @runs_app.command("show", epilog=ENV_NOTE)
@@ -387,7 +521,7 @@ def runs_show(
     json_out: Annotated[bool, typer.Option("--json", help="the run as one JSON object")] = False,
 ) -> None:
     """One run in full: its conversation, tool calls, token counts per completion, reward, status."""
-    from rlproxy.cli.output import run_lines
+    from rlproxy.cli.output import run_lines, safe
     from rlproxy.storage import queries
 
     run = _read(db, lambda e: queries.get_run(e, run_id))
@@ -400,7 +534,7 @@ def runs_show(
         sys.stdout.buffer.write(orjson.dumps(run, default=str, option=orjson.OPT_NON_STR_KEYS) + b"\n")
         return
     for line in run_lines(run):
-        typer.echo(line)
+        typer.echo(safe(line))
 
 
 @app.command(epilog=ENV_NOTE)
@@ -511,12 +645,22 @@ def export(
 def dashboard(
     db: DbOpt = field_default("db_url"),
     host: Annotated[str, setting("host")] = field_default("host"),
-    port: Annotated[int, setting("port", min=0, max=65535)] = field_default("port"),
+    port: Annotated[int, setting("dashboard_port", "--port", min=0, max=65535)] = field_default(
+        "dashboard_port"
+    ),
     admin_key: Annotated[str | None, setting("admin_key", metavar="KEY")] = None,
     log_level: Annotated[LogLevel, typer.Option(help="log level")] = "warning",
 ) -> None:
     """The dashboard alone, read-only on a database: no model, no trainer, no OpenAI routes."""
+    from rlproxy.proxy.guard import is_loopback
+
     settings = make_settings(db_url=db, host=host, port=port, admin_key=admin_key, train=False)
+    if not is_loopback(settings.host) and not settings.admin_key:
+        raise typer.BadParameter(
+            f"serving every run's data on {settings.host} without a key: give --admin-key "
+            "(or RLPROXY_ADMIN_KEY), or keep --host on loopback (127.0.0.1)",
+            param_hint="--host",
+        )
     _read(settings.db_url, lambda e: asyncio.sleep(0))  # a bad --db is one error line, before serving
     _logging(log_level)
     _serve(settings, access_log=False, log_level=log_level, readonly=True)

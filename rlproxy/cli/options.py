@@ -10,16 +10,23 @@ missing database, bad SQL) ends with one `error: ...` line on stderr and exit 2 
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
 
 try:  # typer >= 0.2x carries its own copy of click
     from typer._click import exceptions as click_errors
+    from typer._click.globals import get_current_context
 except ImportError:  # pragma: no cover - older typer uses click itself
     import click.exceptions as click_errors
+    from click import get_current_context
 
 from rlproxy.errors import RLProxyError
 from rlproxy.settings import Settings
@@ -71,13 +78,25 @@ class CleanErrors(TyperGroup):
                 raise
             where = exc.ctx.command_path if exc.ctx else ctx.command_path
             message = exc.format_message().replace("Value error, ", "")  # pydantic's prefix, noise here
-            typer.echo(f"error: {message} (see `{where} --help`)", err=True)
+            hint = _setting_hint(exc, where)
+            typer.echo(f"error: {message}{hint} (see `{where} --help`)", err=True)
             raise typer.Exit(2) from None
         except Exception as exc:
             if ctx.params.get("debug"):
                 raise
             typer.echo(f"error: {describe(exc)}", err=True)
             raise typer.Exit(1) from None
+
+
+def _setting_hint(exc: Exception, where: str) -> str:
+    """For `No such option: --report-to` where report_to is a setting: how to set it here."""
+    option = getattr(exc, "option_name", None)
+    if not option:
+        return ""
+    name = setting_for_option(option)
+    if name is None:
+        return ""
+    return f"; {option} is the setting {name}: set RLPROXY_{name.upper()} for `{where}`"
 
 
 def default_text(name: str) -> Any:
@@ -103,3 +122,96 @@ def setting(name: str, *decls: str, help: str | None = None, **kwargs: Any) -> A
 def field_default(name: str) -> Any:
     """The default of setting `name` (what an option that sets it defaults to)."""
     return Settings.model_fields[name].default
+
+
+# --- every other setting a flag (`serve --learning-rate`, `--report-to`, ...) ----------------------
+
+
+def _option_type(annotation: Any) -> Any:
+    """The type an option of a setting takes: its own, without None; None for the ones a flag cannot
+    carry (dicts, lists: the environment variable, as JSON, is their way in)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    if annotation in (bool, int, float, str) or typing.get_origin(annotation) is Literal:
+        return annotation
+    return None
+
+
+def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command an option for every setting it does not have one for already.
+
+    Each is made by `setting()` (the field's help, `RLPROXY_<NAME>`, its default shown) and defaults
+    shows the setting's default; only the options given (on the command line or by their variable)
+    reach the command, as a dict in its `settings_given` parameter (which is not an option), to merge
+    into `make_settings`. `skip`: settings left out.
+    """
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        hints = typing.get_type_hints(fn, include_extras=True)  # resolved in the command's module
+        sig = inspect.signature(fn)
+        own = [
+            p.replace(annotation=hints.get(p.name, p.annotation))
+            for p in sig.parameters.values()
+            if p.name != "settings_given"
+        ]
+        taken = set(skip) | {p.name for p in own}
+        for p in own:  # what an explicit option sets (`db` sets db_url) is taken too
+            for meta in getattr(p.annotation, "__metadata__", ()):
+                envvar = getattr(meta, "envvar", None)
+                if isinstance(envvar, str) and envvar.startswith("RLPROXY_"):
+                    taken.add(envvar.removeprefix("RLPROXY_").lower())
+        extra = []
+        for name, field in Settings.model_fields.items():
+            kind = _option_type(field.annotation)
+            if name in taken or kind is None:
+                continue
+            decls = (f"--{name.replace('_', '-')}/--no-{name.replace('_', '-')}",) if kind is bool else ()
+            option = setting(
+                name, *decls, rich_help_panel="Settings (each also read from its RLPROXY_* variable)"
+            )
+            default = field.default if field.default_factory is None else field.default_factory()
+            extra.append(
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=default,
+                    annotation=Annotated[kind | None, option],
+                )
+            )
+        names = [p.name for p in extra]
+
+        @functools.wraps(fn)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            ctx = get_current_context(silent=True)
+            given = {n: kwargs.pop(n) for n in names if n in kwargs}
+            # only what the command line (or its variable) gave: a default is Settings' own business
+            given = {
+                k: v for k, v in given.items() if ctx is None or ctx.get_parameter_source(k).name != "DEFAULT"
+            }
+            return fn(*args, settings_given=given, **kwargs)
+
+        keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+        params = [*keyword, *extra]
+        command.__signature__ = sig.replace(parameters=params, return_annotation=None)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}  # objects, not strings
+        del command.__wrapped__  # typer reads __signature__, not the wrapped function's
+        return command
+
+    return wrap
+
+
+def setting_for_option(option: str) -> str | None:
+    """The setting an unknown `--option` names (`--learning-rate` -> learning_rate), or None."""
+    name = option.lstrip("-").removeprefix("no-").replace("-", "_")
+    return name if name in Settings.model_fields else None
+
+
+# Typer shows a flag's type as `<bool>` in --help: noise next to `--train/--no-train`.
+_display_type = getattr(TyperOption, "display_type_rich", None)
+if _display_type is not None:
+
+    def _no_bool_type(self: TyperOption, ctx: Any) -> Any:
+        return None if self.is_flag else _display_type(self, ctx)
+
+    TyperOption.display_type_rich = _no_bool_type  # type: ignore[method-assign]

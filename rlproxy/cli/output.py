@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,19 @@ import orjson
 import typer
 
 CUT = 60  # table cells longer than this are cut (the vertical and wide modes never cut)
+
+# C0 controls but newline and tab, DEL, and C1 controls: a stored message holding ESC sequences could
+# clear the operator's screen, forge lines, set the title or write the clipboard (OSC 52).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def safe(text: str) -> str:
+    """`text` for a terminal: every control character but newline and tab shown as `\\xNN`.
+
+    The human formats (tables, `--vertical`, `runs show`) print through it; `--json` and `--csv`
+    are data for programs and stay raw.
+    """
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def sqlite_float(v: float) -> str:
@@ -65,7 +79,7 @@ def print_table(cols: Sequence[str], rows: Sequence[Sequence[Any]], *, cut: int 
     """An aligned plain-text table and a row count; cells longer than `cut` are cut (None: never)."""
 
     def short(v: Any) -> str:
-        s = cell(v).replace("\n", "\\n")
+        s = safe(cell(v).replace("\n", "\\n"))
         return s if cut is None or len(s) <= cut else s[: cut - 3] + "..."
 
     cells = [[short(v) for v in row] for row in rows]
@@ -83,7 +97,7 @@ def print_vertical(cols: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     for n, row in enumerate(rows, 1):
         typer.echo(f"-[ RECORD {n} ]" + "-" * max(4, width - 8))
         for c, v in zip(cols, row, strict=True):
-            lines = cell(v).split("\n")
+            lines = safe(cell(v)).split("\n")
             typer.echo(f"{c.ljust(width)} | {lines[0]}".rstrip())
             for line in lines[1:]:
                 typer.echo(f"{' ' * width} | {line}".rstrip())
@@ -158,7 +172,7 @@ def step_cells(s: dict[str, Any]) -> list[str]:
     lo, hi = s.get("clip_frac_low"), s.get("clip_frac_high")
     clip = "" if lo is None and hi is None else f"{_num(lo, 3) or '-'}/{_num(hi, 3) or '-'}"
     return [
-        str(s.get("policy") or ""),
+        safe(str(s.get("policy") or "")),  # a policy is named by the requests' `model`
         str(s.get("step")),
         str(s.get("kind") or ""),
         "" if s.get("num_runs") is None else str(s["num_runs"]),

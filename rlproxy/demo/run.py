@@ -519,6 +519,6 @@ def _report(
     echo(f'the latest trajectories, in SQL:\n  sqlite3 {db} "{queries[0]}"')
     echo(f'  rlproxy sql --db {db} "{queries[1]}"')
     echo(
-        f'  (more in summary.json\'s "sql"; dashboard: rlproxy serve --no-train --db {db}, then open http://127.0.0.1:8000/)'
+        f'  (more in summary.json\'s "sql"; dashboard: rlproxy dashboard --db {db}, then open http://127.0.0.1:8100/)'
     )
     return summary

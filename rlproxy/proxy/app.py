@@ -179,7 +179,13 @@ def create_app(state: ProxyState) -> FastAPI:
 
     # no redirect_slashes: a redirect would answer a path the guard let through with another one
     app = FastAPI(
-        title="rlproxy", lifespan=lifespan, docs_url="/docs", redoc_url=None, redirect_slashes=False
+        title="rlproxy",
+        lifespan=lifespan,
+        # no /docs or /openapi.json: agents hold a key to the proxy, not a map of its routes (issue 22)
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
     )
     app.state.proxy = state
     errors.install(app)

@@ -44,7 +44,10 @@ class Limits:
 
     def limit(self, path: str) -> int:
         """The body limit of `path` in bytes."""
-        if path.endswith(("/reward", "/complete")) and "/runs/" in path:
+        # a run's reward, and an untagged reply's (`/v1/completions/{reply_id}/reward`)
+        if path.endswith(("/reward", "/complete")) and (
+            "/runs/" in path or path.startswith("/v1/completions/")
+        ):
             return min(self.max_reward_body, self.max_body)
         return self.max_body
 

@@ -3,7 +3,8 @@
 A record is the run's conversation in OpenAI chat format with its reward and the exact tokens of
 every completion (README, "Export"):
 
-    run_id, group_id, policy, status, reward, metrics, metadata, created_at
+    run_id, group_id, policy, status, split (train | val), reward, reward_source (app | judge),
+    metrics, metadata, created_at, completed_at (when rewarded), trained_step
     messages     the trajectory as the `trajectories` view has it: the last call's request messages
                  and the reply it got (SFT: TRL's `messages` column); content sent as text parts is
                  one string here, joined as the embedded engine joins it
@@ -97,10 +98,14 @@ def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]
         "group_id": run.get("group_id"),
         "policy": run.get("policy"),
         "status": run.get("status"),
+        "split": run.get("split"),
         "reward": run.get("reward"),
+        "reward_source": run.get("reward_source"),
         "metrics": _json(run.get("metrics")),
         "metadata": _json(run.get("metadata")),
         "created_at": _iso(run.get("created_at")),
+        "completed_at": _iso(run.get("completed_at")),
+        "trained_step": run.get("trained_step"),
         "messages": msgs,
         "tools": tools,
         "prompt": msgs[:split],
@@ -124,10 +129,14 @@ def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]
     return out
 
 
-async def records(engine: AsyncEngine, where: str | None = None) -> AsyncIterator[dict[str, Any]]:
-    """The export records of the runs `where` selects (all runs without it), oldest first.
+async def select_run_ids(
+    engine: AsyncEngine, where: str | None = None, params: dict[str, Any] | None = None
+) -> list[str]:
+    """The ids of the runs `where` selects, oldest first: SQL over the `trajectories` view's columns,
+    where a name the view lacks falls through to `runs` (`policy`, `split`, `created_at`, ...).
+    `rlproxy export --where` and `rlproxy sft --where` both select with it.
 
-    Raises what the database raises for a bad `where` (an SQLAlchemy error) before yielding.
+    Raises what the database raises for a bad `where` (an SQLAlchemy error).
     """
     clause = f"WHERE {where}" if where and where.strip() else ""
     ids_sql = (
@@ -135,7 +144,15 @@ async def records(engine: AsyncEngine, where: str | None = None) -> AsyncIterato
         f"(SELECT run_id FROM trajectories {clause}) ORDER BY r.created_at, r.id"
     )
     async with engine.connect() as conn:
-        ids = [row[0] for row in (await conn.execute(text(ids_sql))).all()]
+        return [row[0] for row in (await conn.execute(text(ids_sql), params or {})).all()]
+
+
+async def records(engine: AsyncEngine, where: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    """The export records of the runs `where` selects (all runs without it), oldest first.
+
+    Raises what the database raises for a bad `where` (an SQLAlchemy error) before yielding.
+    """
+    ids = await select_run_ids(engine, where)
     for start in range(0, len(ids), BATCH):
         batch = ids[start : start + BATCH]
         async with engine.connect() as conn:

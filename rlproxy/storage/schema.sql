@@ -173,6 +173,17 @@ SELECT r.id AS run_id, r.group_id AS group_id, r.reward AS reward, r.status AS s
         FROM completions AS c WHERE c.run_id = r.id ORDER BY c.seq DESC LIMIT 1) AS messages
 FROM runs AS r;
 
+CREATE VIEW untagged AS
+SELECT c.id AS completion_id,
+       coalesce(c.response_id, json_extract(c.client_response, '$.id'), json_extract(c.response, '$.id'))
+         AS reply_id,
+       c.created_at AS created_at, c.policy AS policy, c.policy_step AS policy_step,
+       c.endpoint AS endpoint, c.status AS status, c.status_code AS status_code,
+       c.finish_reason AS finish_reason, c.prompt_tokens AS prompt_tokens,
+       c.completion_tokens AS completion_tokens, c.latency_ms AS latency_ms
+FROM completions AS c
+WHERE c.run_id IS NULL;
+
 CREATE VIEW validation AS
 SELECT policy, step, COUNT(*) AS val_runs, AVG(reward) AS val_reward
 FROM (

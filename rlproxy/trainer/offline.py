@@ -160,7 +160,11 @@ async def fork_policy(
     if not recorded:
         raise ConfigError(f"policy {parent!r} has no step {step} (`rlproxy steps --policy {parent}`)")
     if path is None or not (Path(path) / "adapter_config.json").is_file():
-        raise ConfigError(f"the checkpoint of {source} is gone (pruned by keep_checkpoints?): {path}")
+        where = f": {path}" if path else ""  # a pruned step's adapter_path is NULL
+        raise ConfigError(
+            f"the checkpoint of {source} is gone (pruned by keep_checkpoints; `rlproxy steps` shows the "
+            f"kept ones){where}"
+        )
     return await _start(
         db_url, config, new_policy, Path(path), kind="fork", backend=backend, parent=parent, parent_step=step
     )
@@ -206,6 +210,24 @@ async def init_policies(
 # --------------------------------------------------------------------------------------------- SFT
 
 
+def sft_condition(
+    where: str | None, from_policy: str | None, min_reward: float | None, include_val: bool
+) -> tuple[str, dict[str, Any]]:
+    """The SQL condition (and its parameters) selecting the runs SFT learns from, for
+    `storage.export.select_run_ids`: validation runs stay held out unless `include_val`."""
+    filters = [] if include_val else ["split = 'train'"]
+    params: dict[str, Any] = {}
+    if from_policy is not None:
+        filters.append("policy = :from_policy")
+        params["from_policy"] = from_policy
+    if min_reward is not None:
+        filters.append("reward >= :min_reward")
+        params["min_reward"] = min_reward
+    if where is not None:
+        filters.append(f"({where})")
+    return " AND ".join(filters), params
+
+
 async def sft_examples(
     db_url: str,
     tokenizer: Any,
@@ -214,11 +236,12 @@ async def sft_examples(
     file: str | None,
     from_policy: str | None = None,
     min_reward: float | None = None,
+    include_val: bool = False,
 ) -> list[Any]:
     """The examples of `rlproxy sft`: the runs `where` selects (exact tokens), the chats of `file`,
     or (`from_policy`) that policy's conversations rendered with the student's template (distillation:
-    a hosted teacher's rows have no tokens). Runs of split `val` are never trained; `min_reward`
-    keeps only runs rewarded at least that."""
+    a hosted teacher's rows have no tokens). Runs of split `val` are left out unless `include_val`;
+    `min_reward` keeps only runs rewarded at least that."""
     from rlproxy.trainer import sft
 
     if file is not None:
@@ -229,25 +252,14 @@ async def sft_examples(
         return [sft.chat_example(tokenizer, c["messages"], c.get("tools")) for c in sft.read_chats(file)]
     if where is None and from_policy is None:
         raise ConfigError("give one of --where (SQL over the trajectories view) and --file (chat JSONL)")
-    from sqlalchemy import text
-
+    from rlproxy.storage.export import select_run_ids
     from rlproxy.storage.queries import open_readonly
 
-    runs_sql = "SELECT id FROM runs WHERE split = 'train'"  # never a validation run
-    params: dict[str, Any] = {}
-    if from_policy is not None:
-        runs_sql += " AND policy = :from_policy"
-        params["from_policy"] = from_policy
-    if min_reward is not None:
-        runs_sql += " AND reward >= :min_reward"
-        params["min_reward"] = min_reward
-    sql = f"SELECT run_id FROM trajectories WHERE run_id IN ({runs_sql})"
-    if where is not None:
-        sql += f" AND ({where})"
+    condition, params = sft_condition(where, from_policy, min_reward, include_val)
     engine = await open_readonly(db_url)  # `where` is the operator's SQL: it may read, never write
     try:
-        async with engine.connect() as conn:
-            ids = [r[0] for r in (await conn.execute(text(sql), params)).all()]
+        # `where` reads the runs' columns too (split, policy, ...), as `rlproxy export --where` does
+        ids = await select_run_ids(engine, condition, params)
         runs = await load_runs(engine, ids) if ids else []
     finally:
         await engine.dispose()
@@ -282,6 +294,7 @@ async def run_sft(
     min_reward: float | None = None,
     into: str | None = None,
     on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+    include_val: bool = False,
 ) -> dict[str, Any]:
     """`rlproxy sft`: train the policy's newest adapter on the examples, publish it as the next step.
 
@@ -310,7 +323,13 @@ async def run_sft(
         if last is not None:
             ckpt.load_optimizer(last, optimizer)
         examples = await sft_examples(
-            db_url, tokenizer, where=where, file=file, from_policy=from_policy, min_reward=min_reward
+            db_url,
+            tokenizer,
+            where=where,
+            file=file,
+            from_policy=from_policy,
+            min_reward=min_reward,
+            include_val=include_val,
         )
         target = into or policy
         if into is not None and into != policy:

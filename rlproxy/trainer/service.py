@@ -132,6 +132,7 @@ class TrainerService:
         self._flat_groups = 0  # zero-variance groups skipped since the last committed step
         self.hosted_skipped = 0  # runs a hosted upstream answered, skipped (never GRPO samples), in all
         self._hosted_since = 0  # ... since the last committed step (its data/hosted_runs_skipped)
+        self._waiting_for: tuple[str, str, int] | None = None  # the fullest waiting group, logged on change
         # trackers named in report_to (a missing package is a ConfigError here, before serving starts)
         self.reporter = MetricsReporter(
             parse_report_to(config.report_to), config.metrics_log_dir, resolved_config(config)
@@ -400,12 +401,29 @@ class TrainerService:
             )
         groups = [g for g in groups if not g.zero_variance]
         if not groups:
+            await self._say_what_we_wait_for()
             return await self._ungrouped_batch()
         mine = [g for g in groups if g.policy == groups[0].policy]
         waited = (datetime.now(UTC) - mine[0].newest_at).total_seconds()
         if len(mine) < cfg.groups_per_step and waited < cfg.group_timeout:
             return await self._ungrouped_batch()  # wait for a full step, but not forever
         return mine[: cfg.groups_per_step]
+
+    async def _say_what_we_wait_for(self) -> None:
+        """One log line each time the fullest waiting group changes: "waiting: group 3/8 of g-..."."""
+        from rlproxy.storage.overview import fullest_waiting_group
+
+        found = await fullest_waiting_group(self._db())
+        if found is not None and found != self._waiting_for:
+            policy, group, n = found
+            log.info(
+                "waiting for rewarded runs: group %d/%d of %s (policy %s)",
+                n,
+                self.config.group_size,
+                group,
+                policy,
+            )
+        self._waiting_for = found
 
     async def _ungroup(self) -> None:
         n = await ungroup_runs(self._db(), group_timeout=self.config.group_timeout)

@@ -1,5 +1,5 @@
 """Every `--help` shows each option's environment variable and default, and they are the settings'
-(the README's configuration table, which a README test keeps equal to `Settings`)."""
+(the configuration table in docs/configuration.md, which a README test keeps equal to `Settings`)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ runner = CliRunner()
 
 
 def readme_table() -> dict[str, str]:
-    """environment variable -> default, as the README's settings table says."""
+    """environment variable -> default, as the settings table (docs/configuration.md) says."""
     table = (
-        ROOT.joinpath("README.md")
+        ROOT.joinpath("docs", "configuration.md")
         .read_text()
         .split("<!-- settings:start -->")[1]
         .split("<!-- settings:end -->")[0]

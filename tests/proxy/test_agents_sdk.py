@@ -239,7 +239,8 @@ async def test_the_readme_agents_example_runs_unchanged(
     tokens (each ~0.99 likely) are the only candidates, so the episode is deterministic."""
     from rlproxy.inference.embedded import EmbeddedBackend
 
-    (block,) = [b for b in blocks((ROOT / "README.md").read_text()) if "from agents import" in b.code]
+    page = ROOT / "docs" / "clients.md"  # the Agents SDK block moved there with its section
+    (block,) = [b for b in blocks(page.read_text(), "docs/clients.md") if "from agents import" in b.code]
     model_dir = tmp_path / "models" / POLICY  # the same weights, served under the same name
     shutil.copytree(tiny_model_dir, model_dir)
     generation = json.loads((model_dir / "generation_config.json").read_text())

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import random
-import shutil
 import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from dashboard_browser import browser_paths, chromium, loaded, no_script_errors, points  # noqa: F401
 from support import ServerlessBackend
 
 ADMIN_KEY = "metrics-admin"
@@ -39,18 +38,6 @@ CHARTS = {  # chart id -> the columns it plots, in series order
     "grad_norm": ["grad_norm"],
     "loss": ["loss"],
 }
-
-
-@pytest.fixture(scope="module")
-def browser_paths() -> tuple[str, str]:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if not (browser and driver):
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI needs chromium + chromedriver (apt-get install chromium chromium-driver)")
-        pytest.skip("chromium/chromedriver not installed (Debian: apt-get install chromium chromium-driver)")
-    pytest.importorskip("selenium", reason="pip install selenium (dev extra)")
-    return browser, driver
 
 
 async def _train(db_url: str, model_dir: Path, checkpoints: Path) -> None:
@@ -121,10 +108,12 @@ def _columns(db: Path) -> list[dict[str, Any]]:
 
 
 def test_metrics_route_and_charts(
-    trained: Path, make_proxy: Any, tiny_model_dir: Path, browser_paths, tmp_path
+    trained: Path,
+    make_proxy: Any,
+    tiny_model_dir: Path,
+    browser_paths,  # noqa: F811
+    tmp_path,
 ):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -154,31 +143,12 @@ def test_metrics_route_and_charts(
     assert [s["kl"] for s in only["data"]] == [0.25] and only["policies"] == ["other"]
     assert httpx.get(f"{proxy.url}/v1/training/metrics?limit=0", headers=auth).status_code == 422
 
-    browser, driver_path = browser_paths
-    options = webdriver.ChromeOptions()
-    options.binary_location = browser
-    for flag in (
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--disable-dev-shm-usage", "--window-size=1280,1400", f"--user-data-dir={tmp_path / 'profile'}",
-    ):  # fmt: skip
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    try:
-        driver.get(f"{proxy.url}/?key={ADMIN_KEY}&refresh=0")
-        WebDriverWait(driver, 60).until(
-            lambda d: (
-                d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "true"
-                or d.find_element(By.ID, "error").text
-            )
-        )
-        assert driver.find_element(By.ID, "error").text == ""
+    with chromium(browser_paths, tmp_path / "profile") as driver:
+        driver.get(f"{proxy.url}/?refresh=0#key={ADMIN_KEY}")
+        loaded(driver)
 
         # mean reward with its ± std band
-        points = driver.find_elements(By.CSS_SELECTOR, "#chart circle.point")
-        assert [(float(p.get_attribute("data-x")), float(p.get_attribute("data-y"))) for p in points] == [
-            (float(r["step"]), r["mean_reward"]) for r in rows
-        ]
+        assert points(driver, "#chart circle.point") == [(float(r["step"]), r["mean_reward"]) for r in rows]
         assert driver.find_element(By.CSS_SELECTOR, "#chart path.band").get_attribute("d").startswith("M")
 
         # every learning chart: one point per step and series, at the stored value
@@ -214,7 +184,4 @@ def test_metrics_route_and_charts(
             driver.find_element(By.ID, "chart-entropy").get_attribute("data-points") == "0"
         )  # NULL: no point
 
-        errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
-        assert errors == []
-    finally:
-        driver.quit()
+        no_script_errors(driver)

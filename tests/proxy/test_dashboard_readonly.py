@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 from cli_helpers import sample_db
+from dashboard_browser import browser_paths, chromium, counts, loaded, no_script_errors, points  # noqa: F401
 from proxy_helpers import free_port
-from test_dashboard import browser_paths  # noqa: F401  (the fixture: chromium + chromedriver, or why not)
 
 RLPROXY = str(Path(sys.executable).parent / "rlproxy")
 ADMIN_KEY = "ro-admin"
@@ -98,63 +98,31 @@ def test_admin_key_guards_the_data(db):
 
 
 def test_page_renders_in_chromium(dashboard, browser_paths, tmp_path):  # noqa: F811
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    browser, driver_path = browser_paths
-    options = webdriver.ChromeOptions()
-    options.binary_location = browser
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--window-size=1280,1000",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    try:
+    with chromium(browser_paths, tmp_path / "chromium-profile", size="1280,1000") as driver:
         driver.get(f"{dashboard.url}/?refresh=0")
-        WebDriverWait(driver, 60).until(
-            lambda d: (
-                d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "true"
-                or d.find_element(By.ID, "error").text
-            )
-        )
-        assert driver.find_element(By.ID, "error").text == ""
-        counts = {
-            c.get_attribute("data-status"): int(c.find_element(By.TAG_NAME, "b").text)
-            for c in driver.find_elements(By.CSS_SELECTOR, "#counts .count")
-        }
-        assert counts["trained"] == 3 and counts["completed"] == 2 and counts["open"] == 1, counts
+        loaded(driver)
+        got = counts(driver)
+        assert got["trained"] == 3 and got["completed"] == 2 and got["open"] == 1, got
         rows = driver.find_elements(By.CSS_SELECTOR, "#runs tbody tr.run")
         ids = [r.get_attribute("data-run-id") for r in rows]
         assert ids == ["f", "e", "d", "c", "b", "a"]  # newest first
         # the sample's three steps, each a point at its mean reward (the chart shows one policy at a time)
         picker = Select(driver.find_element(By.ID, "policy"))
-        got = []
+        got_points = []
         for name in [o.text for o in picker.options]:
             picker.select_by_visible_text(name)
-            note = f"of {name};"
+            note = f"of {name}"
             WebDriverWait(driver, 30).until(
                 lambda d, note=note: note in d.find_element(By.ID, "steps-note").text
             )
-            points = driver.find_elements(By.CSS_SELECTOR, "#chart circle.point")
-            got += [(float(p.get_attribute("data-x")), float(p.get_attribute("data-y"))) for p in points]
-        assert sorted(got) == [(1.0, 0.1), (1.0, 0.5), (2.0, 0.75)]
+            got_points += points(driver, "#chart circle.point")
+        assert sorted(got_points) == [(1.0, 0.1), (1.0, 0.5), (2.0, 0.75)]
         rows[ids.index("a")].click()
         WebDriverWait(driver, 30).until(
             lambda d: "It is sunny in Paris." in d.find_element(By.ID, "trajectory").text
         )
         assert "What's the weather in Paris?" in driver.find_element(By.ID, "trajectory").text
-        errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
-        assert errors == []
-    finally:
-        driver.quit()
+        no_script_errors(driver)

@@ -175,6 +175,7 @@ async def test_sft_from_a_file_while_serving(tiny_model_dir: Path, tmp_path: Pat
             "40",
             "--learning-rate",
             str(SFT_LR),
+            "--publish",  # onto the served policy itself (else `--into NEW`: a fork)
         ]
         proc = await asyncio.create_subprocess_exec(
             RLPROXY, *args, "--model", str(tiny_model_dir), env=env,

@@ -1,12 +1,29 @@
-// The dashboard: reads the proxy's JSON routes and draws runs per status, the reward curve and the
-// latest trajectories. Plain DOM, no framework; every value from the API is set with textContent.
+// The dashboard: reads the proxy's JSON routes and draws runs per status, the reward of every group
+// over time, the per-step learning charts, a filterable list of runs, the untagged requests, and a
+// page per run with every call in detail. Plain DOM, no framework; every value from the API is set
+// with textContent. The admin key comes from the input field or `#key=` (a fragment: never sent to
+// the server, so never in an access log), and is kept in this browser's localStorage.
 "use strict";
 
 (function () {
   const STATUSES = ["open", "completed", "ungrouped", "validated", "trained", "skipped", "failed", "expired"];
+  const PAGE = 25;
   const params = new URLSearchParams(window.location.search);
-  const state = { key: params.get("key") || localStorage.getItem("rlproxy.key") || "", selected: null };
+  const state = { key: localStorage.getItem("rlproxy.key") || "", policy: null, chosen: false, offset: 0, filters: {} };
   const $ = (id) => document.getElementById(id);
+
+  function hashParams() {
+    return new URLSearchParams(window.location.hash.replace(/^#/, ""));
+  }
+  {
+    const h = hashParams();
+    if (h.get("key")) {
+      state.key = h.get("key");
+      localStorage.setItem("rlproxy.key", state.key);
+      h.delete("key");
+      history.replaceState(null, "", `${window.location.pathname}${window.location.search}${h.toString() ? `#${h}` : ""}`);
+    }
+  }
 
   function text(tag, value, cls) {
     const node = document.createElement(tag);
@@ -43,32 +60,55 @@
     return typeof value === "number" ? value.toFixed(digits === undefined ? 3 : digits) : String(value);
   }
 
+  // Dates with their day: a run from yesterday must not look like one from an hour ago.
   function when(value) {
     if (!value) return "";
     const d = new Date(typeof value === "number" ? value * 1000 : value);
-    return Number.isNaN(d.getTime()) ? String(value) : d.toLocaleTimeString();
+    return Number.isNaN(d.getTime()) ? String(value) : d.toLocaleString(undefined, { dateStyle: "medium", timeStyle: "medium" });
   }
+  const num = (v) => (v === null || v === undefined || v === "" ? NaN : Number(v));
 
-  // --- runs per status: GET /v1/runs/stats ---
+  // --- runs per status: GET /v1/runs/stats; a click lists that status ---
   async function loadCounts() {
     const stats = await api("v1/runs/stats");
     const counts = stats.by_status;
-    const note = stats.notice || ""; // most rewarded runs ungrouped: what to set (README: Live traffic)
     const box = $("counts");
     box.replaceChildren();
     for (const s of [...STATUSES, ...Object.keys(counts).filter((k) => !STATUSES.includes(k))]) {
       if (typeof counts[s] !== "number") continue;
-      const card = document.createElement("div");
-      card.className = `count status-${s}`;
+      const card = document.createElement("button");
+      card.type = "button";
+      card.className = `count status-${s}${state.filters.status === s ? " active" : ""}`;
       card.dataset.status = s;
       card.append(text("b", counts[s]), text("span", s));
+      card.addEventListener("click", () => {
+        const status = state.filters.status === s ? "" : s;
+        $("f-status").value = status;
+        applyFilters();
+      });
       box.append(card);
     }
-    $("counts-note").textContent = note;
+    $("counts-note").textContent = stats.notice || ""; // most runs ungrouped: what to set (docs: Live traffic)
+    const select = $("f-status");
+    if (select.options.length === 1) for (const s of Object.keys(counts)) select.append(text("option", s));
+  }
+
+  // --- the policy picker: opens on the server's default_policy (never an empty fork), keeps a choice ---
+  function pickPolicy(policies, preferred) {
+    const select = $("policy");
+    if (!state.chosen || !policies.includes(state.policy)) state.policy = preferred || policies[0] || null;
+    select.replaceChildren(...policies.map((p) => text("option", p)));
+    select.value = state.policy || "";
+    select.hidden = policies.length < 2;
+    const filter = $("f-policy");
+    const known = new Set([...filter.options].map((o) => o.value));
+    for (const p of policies) if (!known.has(p)) filter.append(text("option", p));
   }
 
   // --- per training step: GET /v1/training/metrics (the metric columns of training_steps) ---
   // Each chart plots columns of one policy's steps; `svg.dataset.points` says how many points it drew.
+  // SFT steps (kind = sft) have their own loss chart: a cross-entropy of ~7 next to a GRPO loss of
+  // ~1e-5 would flatten one of them; on the reward chart they are dashed marks.
   const CHARTS = [
     { id: "zero_variance_frac", title: "zero-variance groups", unit: "fraction, skipped ones too", cols: ["zero_variance_frac"], yMin: 0, yMax: 1 },
     { id: "kl", title: "KL", unit: "per token", cols: ["kl"] },
@@ -78,9 +118,9 @@
     { id: "policy_lag_mean", title: "policy lag", unit: "adapter steps", cols: ["policy_lag_mean"], yMin: 0 },
     { id: "tokens_per_s", title: "training throughput", unit: "tokens/s", cols: ["tokens_per_s"], yMin: 0 },
     { id: "grad_norm", title: "gradient norm", unit: "before clipping", cols: ["grad_norm"], yMin: 0 },
-    { id: "loss", title: "loss", unit: "", cols: ["loss"] },
+    { id: "loss", title: "loss", unit: "GRPO steps", cols: ["loss"], kinds: (k) => k !== "sft" },
+    { id: "sft_loss", title: "SFT loss", unit: "cross-entropy, SFT steps", cols: ["loss"], kinds: (k) => k === "sft", yMin: 0 },
   ];
-  const num = (v) => (v === null || v === undefined || v === "" ? NaN : Number(v));
 
   function chartBoxes() {
     const box = $("charts");
@@ -99,33 +139,22 @@
     }
   }
 
-  function pickPolicy(policies) {
-    const select = $("policy");
-    if (!policies.includes(state.policy)) state.policy = policies[0] || null; // newest step's policy
-    select.replaceChildren(...policies.map((p) => text("option", p)));
-    select.value = state.policy || "";
-    select.hidden = policies.length < 2;
-  }
-
   async function loadSteps() {
     const body = await api("v1/training/metrics?limit=1000");
-    pickPolicy(body.policies || []);
+    pickPolicy(body.policies || [], body.default_policy);
     const steps = items(body).filter((s) => s.policy === state.policy);
-    const points = steps
+    const trained = steps.filter((s) => s.kind !== "sft");
+    const points = trained
       .filter((s) => Number.isFinite(num(s.mean_reward)))
       .map((s) => {
         const y = num(s.mean_reward);
         const sd = num(s.reward_std);
         return {
-          x: Number(s.step),
-          y,
-          lo: y - sd,
-          hi: y + sd,
-          label: `step ${s.step}${s.policy ? ` (${s.policy})` : ""}: mean reward ${fmt(y)}` +
-            (Number.isFinite(sd) ? ` ± ${fmt(sd)}` : ""),
+          x: Number(s.step), y, lo: y - sd, hi: y + sd,
+          label: `step ${s.step} (${s.policy}, ${when(s.finished_at)}): mean reward ${fmt(y)}` + (Number.isFinite(sd) ? ` ± ${fmt(sd)}` : ""),
         };
       });
-    // validation runs (README: Validation runs): step N's val_reward is the mean reward of the val runs
+    // validation runs (docs: Validation runs): step N's val_reward is the mean reward of the val runs
     // served by adapter N-1, the one that also sampled most of step N's training runs: same x
     const val = steps
       .filter((s) => Number.isFinite(num(s.val_reward)))
@@ -134,65 +163,153 @@
         y: num(s.val_reward),
         label: `step ${s.step}: validation reward ${fmt(num(s.val_reward))} over ${s.val_runs} runs (adapter ${s.step - 1})`,
       }));
+    const marks = steps.filter((s) => s.kind === "sft").map((s) => ({ x: Number(s.step), short: "SFT", label: `step ${s.step}: SFT, loss ${window.tickLabel(num(s.loss))}` }));
     const series = [{ name: "train", points, cls: "s0" }];
     if (val.length) series.push({ name: "validation", points: val, cls: "s1" });
-    const opts = { yMin: 0, yMax: 1, xLabel: "training step", band: true };
-    const drawn = window.multiChart($("chart"), series, opts);
+    const drawn = window.multiChart($("chart"), series, { yMin: 0, yMax: 1, xLabel: "training step", band: true, marks });
     $("chart").dataset.points = String(drawn);
     chartBoxes();
     for (const c of CHARTS) {
+      const rows = c.kinds ? steps.filter((s) => c.kinds(s.kind)) : trained;
       const series = c.cols.map((col, i) => ({
         name: c.names ? c.names[i] : col,
-        points: steps
+        points: rows
           .map((s) => ({ x: Number(s.step), y: num(s[col]) }))
           .map((p) => ({ ...p, label: `step ${p.x}: ${c.names ? `${c.names[i]} ` : ""}${c.title} ${window.tickLabel(p.y)}` })),
       }));
       const svg = $(`chart-${c.id}`);
       svg.dataset.points = String(window.multiChart(svg, series, { yMin: c.yMin, yMax: c.yMax, xLabel: "step" }));
     }
-    const last = steps.length ? steps[steps.length - 1] : null;
+    const last = trained.length ? trained[trained.length - 1] : null;
     const g = (v) => (Number.isFinite(num(v)) ? window.tickLabel(+num(v).toPrecision(3)) : "–");
+    const sft = steps.length - trained.length;
     $("steps-note").textContent = last
-      ? `${steps.length} steps of ${state.policy}; latest ${last.step}: mean reward ${fmt(last.mean_reward)}` +
+      ? `${steps.length} steps of ${state.policy}${sft ? ` (${sft} SFT)` : ""}; latest trained ${last.step} (${when(last.finished_at)}): mean reward ${fmt(last.mean_reward)}` +
         (last.loss === null || last.loss === undefined ? "" : `, loss ${g(last.loss)}, KL ${g(last.kl)}`) +
         (Number.isFinite(num(last.val_reward)) ? `, validation ${fmt(last.val_reward)}` : "")
       : "no training step yet";
   }
 
-  // --- the latest runs, and the messages of the selected one ---
-  function renderRuns(runs) {
-    const body = $("runs").querySelector("tbody");
-    body.replaceChildren();
+  // --- every rewarded group over time: GET /v1/training/groups (skipped groups are never a step) ---
+  async function loadGroups() {
+    const body = await api(`v1/training/groups?limit=2000${state.policy ? `&policy=${encodeURIComponent(state.policy)}` : ""}`);
+    const groups = items(body);
+    const byOutcome = { trained: [], skipped: [], waiting: [] };
+    for (const g of groups) {
+      const t = new Date(g.at).getTime();
+      (byOutcome[g.outcome] || byOutcome.waiting).push({
+        x: t, y: g.mean_reward, cls: g.outcome, id: g.group_id,
+        label: `${when(g.at)} group ${String(g.group_id).slice(0, 16)}: mean reward ${fmt(g.mean_reward)} over ${g.runs} runs, ${g.outcome}` +
+          (g.trained_step !== null && g.trained_step !== undefined ? ` (step ${g.trained_step})` : "") + (g.reason ? ` (${g.reason})` : ""),
+      });
+    }
+    const series = [
+      { name: "trained", points: byOutcome.trained, cls: "s0" },
+      { name: "skipped", points: byOutcome.skipped, cls: "s3" },
+      { name: "waiting", points: byOutcome.waiting, cls: "s4" },
+    ].filter((s) => s.points.length);
+    const svg = $("groups-chart");
+    svg.dataset.points = String(window.multiChart(svg, series, { yMin: 0, yMax: 1, xLabel: "time of the group's last reward", xTime: true }));
+    const last = groups.slice(-5);
+    const mean = last.length ? last.reduce((a, g) => a + g.mean_reward, 0) / last.length : NaN;
+    $("groups-note").textContent = groups.length
+      ? `${groups.length} groups (${byOutcome.skipped.length} skipped, ${byOutcome.waiting.length} waiting); the last ${last.length}: mean reward ${fmt(mean)}`
+      : "no rewarded group yet";
+  }
+
+  // --- runs: GET /v1/admin/runs with the filters and paging ---
+  function readFilters() {
+    const f = {};
+    const v = (id) => $(id).value.trim();
+    if (v("f-status")) f.status = v("f-status");
+    if (v("f-policy")) f.policy = v("f-policy");
+    if (v("f-group")) f.group_id = v("f-group");
+    if (v("f-split")) f.split = v("f-split");
+    if (v("f-min")) f.min_reward = v("f-min");
+    if (v("f-max")) f.max_reward = v("f-max");
+    for (const [id, name] of [["f-since", "since"], ["f-until", "until"]]) {
+      if (v(id)) f[name] = new Date(v(id)).toISOString(); // the browser's local time, sent as UTC
+    }
+    if (v("f-q")) f.q = v("f-q");
+    return f;
+  }
+
+  function applyFilters() {
+    state.filters = readFilters();
+    state.offset = 0;
+    loadRuns().then(loadCounts).catch(showError);
+  }
+
+  async function loadRuns() {
+    const q = new URLSearchParams({ ...state.filters, limit: String(PAGE), offset: String(state.offset) });
+    const body = await api(`v1/admin/runs?${q}`);
+    const runs = items(body);
+    const tbody = $("runs").querySelector("tbody");
+    tbody.replaceChildren();
     for (const r of runs) {
       const tr = document.createElement("tr");
       tr.className = "run";
       tr.dataset.runId = r.id;
-      if (r.id === state.selected) tr.classList.add("selected");
       tr.append(
         text("td", r.id, "mono"),
         text("td", r.group_id ? String(r.group_id).slice(0, 16) : "", "mono"),
+        text("td", r.policy),
+        text("td", r.split),
         text("td", r.status, `status-${r.status}`),
         text("td", fmt(r.reward), "num"),
-        text("td", r.n_completions ?? r.num_completions ?? r.completions ?? "", "num"),
+        text("td", r.n_completions ?? "", "num"),
         text("td", r.trained_step ?? "", "num"),
         text("td", when(r.created_at)),
       );
-      tr.addEventListener("click", () => selectRun(r.id));
-      body.append(tr);
+      tr.addEventListener("click", () => (window.location.hash = `run=${encodeURIComponent(r.id)}`));
+      tbody.append(tr);
     }
-    $("runs-note").textContent = runs.length ? "" : "no runs yet: send a request with an X-Run-Id header";
+    const total = body.total || 0;
+    const filtered = Object.keys(state.filters).length > 0;
+    $("runs-total").textContent = `${total} run${total === 1 ? "" : "s"}${filtered ? " match the filters" : ""}`;
+    $("page-info").textContent = total ? `${state.offset + 1}–${state.offset + runs.length} of ${total}` : "";
+    $("prev").disabled = state.offset === 0;
+    $("next").disabled = state.offset + runs.length >= total;
+    $("runs-note").textContent = runs.length
+      ? ""
+      : filtered ? "no run matches these filters" : "no runs yet: send a request with an X-Run-Id header";
   }
 
+  // --- untagged requests: GET /v1/admin/untagged ---
+  async function loadUntagged() {
+    let body;
+    try {
+      body = await api("v1/admin/untagged?limit=10");
+    } catch (e) {
+      if (e.status === 404) return; // an older proxy
+      throw e;
+    }
+    $("untagged-total").textContent = `${body.total} request${body.total === 1 ? "" : "s"} without a run id`;
+    const tbody = $("untagged").querySelector("tbody");
+    tbody.replaceChildren();
+    for (const u of items(body)) {
+      const tr = document.createElement("tr");
+      tr.append(
+        text("td", u.reply_id, "mono"),
+        text("td", u.policy),
+        text("td", u.policy_step ?? "", "num"),
+        text("td", u.status_code ?? u.status ?? ""),
+        text("td", u.finish_reason),
+        text("td", `${u.prompt_tokens ?? "?"} + ${u.completion_tokens ?? "?"}`, "num"),
+        text("td", when(u.created_at)),
+      );
+      tbody.append(tr);
+    }
+  }
+
+  // --- a run's page: GET /v1/runs/{id}, every call as `rlproxy runs show` has it ---
   function messagesOf(run) {
-    // Preferred: the run's trajectory as the `trajectories` view has it (the last call's messages
-    // and its reply); rows of the `messages` view carry `seq` (which call) and are grouped by it.
     if (Array.isArray(run.messages) && run.messages.length) {
-      return run.messages.map((m) => ({ seq: m.seq ?? null, role: m.role, content: m.content, tools: m.tool_calls }));
+      return run.messages.map((m) => ({ role: m.role, content: m.content, tools: m.tool_calls }));
     }
     const out = [];
     for (const c of run.completions || []) {
-      for (const m of (c.request && c.request.messages) || []) out.push({ seq: c.seq, role: m.role, content: m.content });
-      if (c.request && typeof c.request.prompt === "string") out.push({ seq: c.seq, role: "prompt", content: c.request.prompt });
+      for (const m of (c.request && c.request.messages) || []) out.push({ seq: c.seq, role: m.role, content: m.content, tools: m.tool_calls });
       const choice = c.response && c.response.choices && c.response.choices[0];
       if (choice) {
         const msg = choice.message || { role: "assistant", content: choice.text };
@@ -202,42 +319,98 @@
     return out;
   }
 
-  async function selectRun(id) {
-    state.selected = id;
-    for (const tr of document.querySelectorAll("#runs tr.run")) tr.classList.toggle("selected", tr.dataset.runId === id);
+  function finishOf(c) {
+    const choice = c.response && c.response.choices && c.response.choices[0];
+    return c.finish_reason || (choice && choice.finish_reason) || "";
+  }
+
+  function toolCalls(c) {
+    const choice = c.response && c.response.choices && c.response.choices[0];
+    const calls = (choice && choice.message && choice.message.tool_calls) || [];
+    return calls.map((t) => `${(t.function && t.function.name) || "?"}(${(t.function && t.function.arguments) || ""})`).join("; ");
+  }
+
+  async function showRun(id) {
+    $("overview").hidden = true;
+    $("run-page").hidden = false;
     const run = await api(`v1/runs/${encodeURIComponent(id)}`);
+    $("run-title").textContent = `run ${run.id}`;
+    const facts = $("run-facts");
+    facts.replaceChildren();
+    const rows = [
+      ["status", run.status + (run.status_reason ? ` (${run.status_reason})` : "")],
+      ["reward", fmt(run.reward) + (run.reward_source ? ` (${run.reward_source})` : "")],
+      ["group", run.group_id], ["policy", run.policy], ["split", run.split],
+      ["trained at step", run.trained_step], ["created", when(run.created_at)], ["rewarded", when(run.completed_at)],
+      ["metrics", run.metrics ? JSON.stringify(run.metrics) : ""], ["metadata", run.metadata ? JSON.stringify(run.metadata) : ""],
+      ["judge", run.judge_explanation || ""],
+    ];
+    for (const [k, v] of rows) {
+      if (v === null || v === undefined || v === "") continue;
+      facts.append(text("dt", k), text("dd", v));
+    }
+    const tbody = $("calls").querySelector("tbody");
+    tbody.replaceChildren();
+    for (const c of run.completions || []) {
+      const tr = document.createElement("tr");
+      tr.className = "call-row";
+      tr.append(
+        text("td", c.seq, "num"), text("td", c.policy_step ?? "", "num"), text("td", c.adapter, "mono"),
+        text("td", c.endpoint), text("td", c.status_code ?? c.status ?? ""), text("td", finishOf(c)),
+        text("td", c.prompt_tokens ?? "", "num"), text("td", c.completion_tokens ?? "", "num"),
+        text("td", fmt(c.latency_ms, 0), "num"), text("td", fmt(c.ttft_ms, 0), "num"),
+        text("td", toolCalls(c), "mono tool"), text("td", when(c.created_at)),
+      );
+      tbody.append(tr);
+      if (c.error) {
+        const err = document.createElement("tr");
+        const td = text("td", `error: ${c.error}`, "mono status-failed");
+        td.colSpan = 12;
+        err.append(td);
+        tbody.append(err);
+      }
+    }
     const box = $("trajectory");
     box.replaceChildren();
-    box.append(
-      text("h3", `run ${run.id || id}`),
-      text("p", `status ${run.status || "?"} · reward ${fmt(run.reward)} · group ${run.group_id || ""}`, "meta"),
-    );
-    let seq = null;
     for (const m of messagesOf(run)) {
-      if (m.seq !== null && m.seq !== undefined && m.seq !== seq) {
-        seq = m.seq;
-        box.append(text("div", `model call ${seq}`, "call"));
-      }
       const row = document.createElement("div");
       row.className = `msg role-${m.role}`;
-      const content = typeof m.content === "string" ? m.content : JSON.stringify(m.content);
-      row.append(text("span", m.role, "role"), text("pre", content || (m.tools ? JSON.stringify(m.tools) : "")));
+      const content = typeof m.content === "string" ? m.content : m.content === null || m.content === undefined ? "" : JSON.stringify(m.content);
+      const tools = m.tools ? JSON.stringify(m.tools) : "";
+      row.append(text("span", m.role, "role"), text("pre", [content, tools].filter(Boolean).join("\n")));
       box.append(row);
     }
+    document.body.dataset.loaded = "true";
+  }
+
+  function showError(e) {
+    $("error").textContent = String((e && e.message) || e);
   }
 
   async function refresh() {
+    const run = hashParams().get("run");
+    if (run) return; // a run's page does not refresh under the reader
     $("error").textContent = "";
     try {
-      const runs = items(await api("v1/runs?limit=25"), "runs");
-      renderRuns(runs);
-      await Promise.all([loadCounts(), loadSteps()]);
-      const wanted = runs.find((r) => r.id === state.selected) ? state.selected : runs.length ? runs[0].id : null;
-      if (wanted) await selectRun(wanted);
-      $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+      await loadCounts();
+      await loadSteps();
+      await Promise.all([loadGroups(), loadRuns(), loadUntagged()]);
+      $("updated").textContent = `updated ${when(new Date().toISOString())}`;
       document.body.dataset.loaded = "true";
     } catch (e) {
-      $("error").textContent = String(e.message || e);
+      showError(e);
+    }
+  }
+
+  function route() {
+    document.body.dataset.loaded = "";
+    const run = hashParams().get("run");
+    if (run) {
+      showRun(run).catch(showError);
+    } else {
+      $("run-page").hidden = true;
+      $("overview").hidden = false;
+      refresh();
     }
   }
 
@@ -245,15 +418,33 @@
   $("auth").hidden = !state.key;
   $("policy").addEventListener("change", () => {
     state.policy = $("policy").value;
-    loadSteps().catch((e) => ($("error").textContent = String(e.message || e)));
+    state.chosen = true;
+    Promise.all([loadSteps(), loadGroups()]).catch(showError);
   });
   $("key-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     state.key = $("key").value.trim();
     localStorage.setItem("rlproxy.key", state.key);
-    refresh();
+    route();
   });
-  refresh();
+  $("filters").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    applyFilters();
+  });
+  $("f-clear").addEventListener("click", () => {
+    for (const el of $("filters").querySelectorAll("input, select")) el.value = "";
+    applyFilters();
+  });
+  $("prev").addEventListener("click", () => {
+    state.offset = Math.max(0, state.offset - PAGE);
+    loadRuns().catch(showError);
+  });
+  $("next").addEventListener("click", () => {
+    state.offset += PAGE;
+    loadRuns().catch(showError);
+  });
+  window.addEventListener("hashchange", route);
+  route();
   const every = Number(params.get("refresh") || 5);
   if (every > 0) setInterval(refresh, every * 1000);
 })();

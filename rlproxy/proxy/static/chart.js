@@ -1,6 +1,8 @@
 // A tiny SVG line chart: the dashboard's per-step curves, no library, no build step.
 //   lineChart(svg, points, opts)    one series (the mean reward, with an optional ± std band)
 //   multiChart(svg, series, opts)   several series on one axis (clip fractions low / high)
+// opts.xTime: x values are times (ms since the epoch), labelled with their date and time;
+// opts.marks: [{x, label}] vertical dashed lines (the SFT steps); a point's `cls` marks it (skipped).
 // Each point is a <circle class="point"> carrying data-x / data-y (and data-series), so tests and
 // people can read the exact numbers back; a band is a <path class="band"> from each point's lo..hi.
 "use strict";
@@ -55,7 +57,7 @@
       return 0;
     }
     const banded = opts.band ? all.filter((p) => Number.isFinite(p.lo) && Number.isFinite(p.hi)) : [];
-    const xs = all.map((p) => p.x);
+    const xs = [...all.map((p) => p.x), ...(opts.marks || []).map((m) => m.x).filter(Number.isFinite)];
     const ys = [...all.map((p) => p.y), ...banded.flatMap((p) => [p.lo, p.hi])];
     let x0 = Math.min(...xs);
     let x1 = Math.max(...xs);
@@ -75,8 +77,26 @@
       el("line", { x1: pad.left, x2: width - pad.right, y1: sy(t), y2: sy(t), class: "grid" }, axes);
       el("text", { x: pad.left - 6, y: sy(t) + 4, "text-anchor": "end" }, axes).textContent = tickLabel(t);
     }
-    for (const t of niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t))) {
-      el("text", { x: sx(t), y: height - pad.bottom + 16, "text-anchor": "middle" }, axes).textContent = String(t);
+    if (opts.xTime) {
+      const span = x1 - x0;
+      for (let i = 0; i <= 4; i++) {
+        const t = x0 + (span * i) / 4;
+        const d = new Date(t);
+        const day = d.toLocaleDateString(undefined, { month: "short", day: "numeric" });
+        const time = d.toLocaleTimeString(undefined, { hour: "2-digit", minute: "2-digit", second: span < 600e3 ? "2-digit" : undefined });
+        const anchor = i === 0 ? "start" : i === 4 ? "end" : "middle";
+        el("text", { x: sx(t), y: height - pad.bottom + 16, "text-anchor": anchor }, axes).textContent = `${day} ${time}`;
+      }
+    } else {
+      for (const t of niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t))) {
+        el("text", { x: sx(t), y: height - pad.bottom + 16, "text-anchor": "middle" }, axes).textContent = String(t);
+      }
+    }
+    for (const m of opts.marks || []) {
+      if (!Number.isFinite(m.x) || m.x < x0 || m.x > x1) continue;
+      const line = el("line", { x1: sx(m.x), x2: sx(m.x), y1: pad.top, y2: height - pad.bottom, class: "mark", "data-x": m.x }, svg);
+      el("title", {}, line).textContent = m.label || "";
+      el("text", { x: sx(m.x) - 3, y: pad.top + 10, class: "mark-label", "text-anchor": "end" }, svg).textContent = m.short || "";
     }
     if (opts.xLabel) {
       el("text", { x: width - pad.right, y: height - 4, "text-anchor": "end", class: "label" }, axes).textContent =
@@ -95,7 +115,8 @@
       el("polyline", { class: `line ${cls}`, points: s.pts.map((p) => `${sx(p.x)},${sy(p.y)}`).join(" ") }, svg);
       const dots = el("g", { class: "points" }, svg);
       for (const p of s.pts) {
-        const attrs = { class: `point ${cls}`, cx: sx(p.x), cy: sy(p.y), r: 3.5, "data-x": p.x, "data-y": p.y };
+        const attrs = { class: `point ${cls}${p.cls ? ` ${p.cls}` : ""}`, cx: sx(p.x), cy: sy(p.y), r: 3.5, "data-x": p.x, "data-y": p.y };
+        if (p.id !== undefined) attrs["data-id"] = p.id;
         if (s.name) attrs["data-series"] = s.name;
         const c = el("circle", attrs, dots);
         el("title", {}, c).textContent = p.label || `${s.name ? `${s.name} ` : ""}${p.x}: ${p.y}`;

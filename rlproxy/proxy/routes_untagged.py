@@ -1,0 +1,83 @@
+"""Untagged traffic: listed for operators, rewardable by the `id` its client got.
+
+An app that changed only its base URL sends no `X-Run-Id`: each of its requests is stored with
+`run_id` NULL (never trained on its own). Two routes make that traffic useful:
+
+    GET  /v1/admin/untagged                 operators: the count and the newest untagged requests
+                                            (`limit`, `before` for paging), as the `untagged` view
+    POST /v1/completions/{reply_id}/reward  agents: the reward of the response whose `id` was
+                                            `reply_id` (`chatcmpl-...`, `cmpl-...`, `resp_...`)
+
+The reward route makes the reply a one-call run named `reply_id` (its group: the default group of
+its prompt, as for any run, so replies to the same prompt group together), then stores the reward
+exactly as `POST /v1/runs/{reply_id}/reward` would: the same body, answers and durability; later it
+is that run (`rlproxy runs show chatcmpl-...`). Tenancy: the reply id is the capability, held by
+the client that got the response, as a run id is for a tagged run. A reply that belongs to a tagged
+run is a 409 `reply_in_run` that does not name the run (reward it by its run id); an unknown reply
+404 `reply_not_found`, once the writer has committed what it holds.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from rlproxy.errors import APIError
+from rlproxy.proxy import routes_runs, runkey
+from rlproxy.storage import untagged
+
+router = APIRouter()
+
+
+@router.get("/v1/admin/untagged")
+async def list_untagged(request: Request, limit: int = 50, before: int | None = None) -> Response:
+    """The number of untagged requests and the newest `limit` of them (operators only)."""
+    if not 1 <= limit <= 1000:
+        raise APIError(422, "limit: must be between 1 and 1000", param="limit", code="invalid_value")
+    engine = request.app.state.proxy.engine
+    rows, nxt = await untagged.list_untagged(engine, limit=limit, before=before)
+    total = await untagged.count_untagged(engine)
+    return routes_runs._json({"object": "list", "total": total, "data": rows, "next_before": nxt})
+
+
+@router.post("/v1/completions/{reply_id}/reward")
+async def post_reply_reward(request: Request, reply_id: str) -> Response:
+    """The reward of one untagged response, named by the `id` it carried (see the module doc)."""
+    runkey.check_id(reply_id, "reply id")
+    px = request.app.state.proxy
+    found = await untagged.find_reply(px.engine, reply_id)
+    if found is None:  # its completion may still be queued: let the writer commit what it holds
+        await px.writer.flush()
+        found = await untagged.find_reply(px.engine, reply_id)
+    if found is None:
+        raise APIError(
+            404,
+            f"no response with id {reply_id!r} is stored (a reply's `id`, e.g. chatcmpl-...)",
+            param="reply_id",
+            code="reply_not_found",
+        )
+    if found.get("tagged"):
+        raise APIError(
+            409,
+            "this response belongs to a run with its own id (X-Run-Id): post the reward to that run",
+            param="reply_id",
+            code="reply_in_run",
+        )
+    if found["run_id"] is None:
+        request_body = found.get("request") if isinstance(found.get("request"), dict) else {}
+        adopted = await untagged.adopt(
+            px.engine,
+            found["id"],
+            reply_id,
+            policy=found.get("policy"),
+            group_id=runkey.default_group(found.get("policy"), request_body),
+            created_at=found.get("created_at"),
+        )
+        if not adopted:
+            raise APIError(
+                409,
+                f"a run named {reply_id!r} exists already: reward this response by that run's id",
+                param="reply_id",
+                code="reply_in_run",
+            )
+    return await routes_runs._reward(request, reply_id)
