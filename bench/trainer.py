@@ -339,7 +339,7 @@ def main() -> None:
         "--old-tree",
         help="directory: also time the old path with rlproxy imported from this checkout (e.g. main's)",
     )
-    ap.add_argument("--micro-batch-tokens", type=int, default=2048, help="directory: the new path's budget")
+    ap.add_argument("--micro-batch-tokens", type=int, default=1024, help="directory: the new path's budget")
     ap.add_argument(
         "--worker",
         choices=[
