@@ -324,6 +324,7 @@ def main() -> None:
         "--cache-dir", default=os.environ.get("RLPROXY_CACHE_DIR") or str(ROOT / ".cache" / "rlproxy")
     )
     ap.add_argument("--swap-only", action="store_true", help="only the swap latencies (embedded, vLLM)")
+    ap.add_argument("--no-swap", action="store_true", help="only the step figures (no swap latencies)")
     ap.add_argument("--swaps", type=int, default=5, help="timed swaps per backend (after one warm-up swap)")
     ap.add_argument(
         "--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"), help="python that has vLLM"
@@ -338,7 +339,7 @@ def main() -> None:
         "--old-tree",
         help="directory: also time the old path with rlproxy imported from this checkout (e.g. main's)",
     )
-    ap.add_argument("--micro-batch-tokens", type=int, default=2048, help="directory: the new path's budget")
+    ap.add_argument("--micro-batch-tokens", type=int, default=1024, help="directory: the new path's budget")
     ap.add_argument(
         "--worker",
         choices=[
@@ -388,6 +389,8 @@ def main() -> None:
         print(__doc__.split("\n\n", 2)[2].strip())
         print(f"\nmodel {a.model} ({model_dir}), {a.threads} torch threads, {steps} timed steps per side\n")
         step_figures(a, model_dir, steps)
+    if a.no_swap:
+        return
     # vLLM on CPU takes ~1 min to start on any model: --quick only makes its requests cheaper
     vllm_model = "tiny" if a.quick else a.model
     swap_figures(a, model_dir, resolve_model(vllm_model, cache_dir=a.cache_dir), vllm_model)
@@ -432,45 +435,51 @@ def directory_figures(a: argparse.Namespace, model_dir: str, steps: int) -> None
     """Step time and peak RSS on the directory group: the old path (one sample per call) vs merged."""
     print(trainer_directory.__doc__.strip())
     print(
-        f"\nmodel {a.model}, {a.threads} torch threads, {steps} timed steps per side, "
-        f"load {os.getloadavg()}\n"
+        f"\nmodel {a.model}, {a.threads} torch threads, {steps} timed step(s) per side (one step: not "
+        f"warmed up), load {os.getloadavg()}\n",
+        flush=True,
     )
     kinds = [
         ("old", "dir-old", None),
         ("new", "dir-new", None),
         ("merged per_call", "dir-merged-per-call", None),
     ]
-    if a.old_tree:
-        kinds.insert(0, (f"old code ({a.old_tree})", "dir-old", a.old_tree))
+    if a.old_tree:  # last: the literal old code is the slowest side
+        kinds.append((f"old code ({a.old_tree})", "dir-old", a.old_tree))
     extra = ("--micro-batch-tokens", str(a.micro_batch_tokens))
     res: dict[str, list[dict]] = {k[0]: [] for k in kinds}
+    med: dict[str, tuple[float, float, float]] = {}
     for _ in range(a.rounds):  # interleaved, so a busy machine slows each side alike
         for name, kind, tree in kinds:
             res[name].append(run_worker(kind, model_dir, steps, a.threads, *extra, tree=tree))
-    med = {}
-    for name, runs in res.items():
-        r = runs[0]
-        times = [t for x in runs for t in x["times"]]
-        cpu = [t for x in runs for t in x["cpu"]]
-        rss = max(x["peak_rss_mb"] for x in runs)
-        med[name] = (statistics.median(times), statistics.median(cpu), rss)
-        print(
-            f"{name:>16}: step {med[name][0]:6.2f} s median ({', '.join(f'{t:.2f}' for t in times)}), "
-            f"{med[name][1]:6.2f} CPU-s, peak RSS {rss:.0f} MB, {r['positions']:.0f} positions in "
-            f"{r['micro_batches']:.0f} micro-batches, grad norm {r['grad_norm']:.8f}"
-        )
-        if r.get("merge/positions_merged") is not None:
-            print(
-                f"{'':>18}{r['calls']} calls, {r['prompt_tokens']} prompt tokens; merged "
-                f"{r['merge/positions_merged']:.0f} vs unmerged {r['merge/positions_unmerged']:.0f} "
-                "positions, "
-                f"{r['merge/segments']:.0f} segments, {r['merge/breaks']:.0f} breaks"
-            )
-    o, n = med["old"], med["new"]
+            _directory_line(name, res[name], med)
+
+
+def _directory_line(name: str, runs: list[dict], med: dict[str, tuple[float, float, float]]) -> None:
+    """One side's figures, printed as soon as its worker ends (a long bench keeps what it measured)."""
+    r = runs[0]
+    times = [t for x in runs for t in x["times"]]
+    cpu = [t for x in runs for t in x["cpu"]]
+    rss = max(x["peak_rss_mb"] for x in runs)
+    med[name] = (statistics.median(times), statistics.median(cpu), rss)
     print(
-        f"\nnew / old: {o[0] / n[0]:.2f}x faster (median wall), {o[1] / n[1]:.2f}x per CPU-second "
-        f"(goal >= 2.5x); peak RSS new {n[2]:.0f} MB (goal <= 4096)"
+        f"{name:>16}: step {med[name][0]:6.2f} s median ({', '.join(f'{t:.2f}' for t in times)}), "
+        f"{med[name][1]:6.2f} CPU-s, peak RSS {rss:.0f} MB, {r['positions']:.0f} positions in "
+        f"{r['micro_batches']:.0f} micro-batches, grad norm {r['grad_norm']:.8f}, load {os.getloadavg()}"
     )
+    if r.get("merge/positions_merged") is not None:
+        print(
+            f"{'':>18}{r['calls']} calls, {r['prompt_tokens']} prompt tokens; merged "
+            f"{r['merge/positions_merged']:.0f} vs unmerged {r['merge/positions_unmerged']:.0f} "
+            f"positions, {r['merge/segments']:.0f} segments, {r['merge/breaks']:.0f} breaks"
+        )
+    if name == "new" and "old" in med:
+        o, n = med["old"], med["new"]
+        print(
+            f"\nnew / old: {o[0] / n[0]:.2f}x faster (median wall), {o[1] / n[1]:.2f}x per CPU-second "
+            f"(goal >= 2.5x); peak RSS new {n[2]:.0f} MB (goal <= 4096)\n"
+        )
+    sys.stdout.flush()
 
 
 def swap_figures(a: argparse.Namespace, model_dir: str, vllm_dir: str, vllm_model: str) -> None:

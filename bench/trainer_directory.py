@@ -134,12 +134,13 @@ def worker(model_dir: str, steps: int, path: str, micro_batch_tokens: int | None
             )
         runs.append(RunData(f"r{i}", "g", "p", REWARDS[i], comps))
     times, cpu, metrics = [], [], {}
-    for i in range(steps + 1):
+    warm = steps > 1  # with more than one step the first warms up; with one, that one is timed
+    for i in range(steps + 1 if warm else 1):
         t0, c0 = time.perf_counter(), time.process_time()
         metrics = train_step(model, tok, opt, runs, cfg).metrics
         if i == 0:
             first = metrics
-        else:  # the first step warms up
+        if i > 0 or not warm:
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
     keys = ("merge/positions_merged", "merge/positions_unmerged", "merge/breaks", "merge/segments")

@@ -104,7 +104,20 @@ def micro_batches_by_tokens(
 ) -> list[Rows]:
     """Segments, longest first, cut into micro-batches of <= max_rows rows and <= max_tokens padded
     positions (None: rows only); a segment alone over the budget gets a micro-batch of its own."""
-    ordered = sorted(segments, key=len, reverse=True)
+    # rows that start alike (a group's task prompt) are packed together, so their micro-batch can run
+    # the shared prefix once; the rest are packed among themselves
+    clusters: dict[tuple[int, ...], list[Segment]] = {}
+    for s in segments:
+        clusters.setdefault(tuple(s.ids[:MIN_SHARED]), []).append(s)
+    alone = [s for c in clusters.values() if len(c) == 1 for s in c]
+    parts = [c for c in clusters.values() if len(c) > 1] + ([alone] if alone else [])
+    out: list[list[Segment]] = []
+    for part in parts:
+        out += _pack(sorted(part, key=len, reverse=True), max_rows, max_tokens)
+    return [collate_rows(part, pad_id, ratio_by) for part in out]
+
+
+def _pack(ordered: list[Segment], max_rows: int, max_tokens: int | None) -> list[list[Segment]]:
     out: list[list[Segment]] = []
     for s in ordered:
         cur = out[-1] if out else None
@@ -116,4 +129,4 @@ def micro_batches_by_tokens(
             cur.append(s)
         else:
             out.append([s])
-    return [collate_rows(part, pad_id, ratio_by) for part in out]
+    return out

@@ -219,3 +219,12 @@ def test_trainer_modules_import_one_way() -> None:
 
     core = ["config", "reporting", "step", "distributed", "model", "batches", "segments", "rows", "losses"]
     assert [m for m in core if reaches(m, m)] == []
+
+
+def test_groups_are_packed_apart_so_each_shares_its_prompt() -> None:
+    """Two groups of 4 with their own 20-token task prompts: packed together the rows share nothing;
+    packed by prefix each micro-batch runs its group's prompt once (as the per-call path did)."""
+    runs = [episode(f"g{g}r{i}", 1.0, chain(1, first=[g + 1] * 20)) for g in range(2) for i in range(4)]
+    parts = micro_batches_by_tokens(build(runs)[0], 0, max_rows=8, max_tokens=None)
+    assert [p.input_ids.shape[0] for p in parts] == [4, 4]
+    assert [p.shared for p in parts] == [21, 21]
