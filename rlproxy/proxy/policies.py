@@ -119,11 +119,6 @@ class Policies:
             step = self.router.route(policy, step, run_id)
         return policy, step, self.upstream_model(policy, step)
 
-    def trainable(self) -> list[str]:
-        """The policies the backend serves (the default and the model map's), hosted ones left out."""
-        names = [self.default, *self.model_map.values()]
-        return [p for p in dict.fromkeys(names) if p not in self.text_only]
-
     async def set_step(self, policy: str, step: int) -> None:
         """Serve `policy@step` from now on (the trainer calls this after publishing)."""
         if step != self.steps.get(policy):

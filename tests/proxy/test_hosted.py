@@ -221,4 +221,3 @@ def test_policy_routing_with_a_hosted_teacher() -> None:
     on_student = Policies("base", "gpt-4o-mini=student", text_only={"teacher": None})
     on_student.steps["student"] = 4
     assert on_student.resolve("gpt-4o-mini") == ("student", 4, "student@4")
-    assert on_student.trainable() == ["base", "student"]
