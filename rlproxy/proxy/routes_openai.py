@@ -22,10 +22,16 @@ upstream's chat completions (`proxy/responses.py`): the body is translated to th
 forwarded, captured and stored as `request`, and the chat answer is translated back for the client.
 `POST /v1/messages` (Anthropic's Messages API) is served the same way (`proxy/messages.py`), and
 `POST /v1/messages/count_tokens` over the upstream's `/tokenize`.
+
+A client that hangs up cancels its upstream call: a stream's relay races the stream against the
+client's `http.disconnect` (`proxy/stream.py`), and a non-streaming call is raced the same way
+(`_unless_gone`): the call is cancelled, which closes its pooled connection, so the engine drops
+the request at once; the completion is stored `cancelled` (499).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from datetime import UTC, datetime
@@ -156,9 +162,11 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     try:
         headers = forward.request_headers(scope["headers"], px.drop_headers, identity=True)
         query = b"" if endpoint == Endpoint.MESSAGES else scope["query_string"]  # ?beta=true is ours
-        resp = await (text_only or px.upstream).post(
+        call_upstream = (text_only or px.upstream).post(
             _UPSTREAM_PATHS[endpoint], headers, orjson.dumps(upstream_body), query, stream, run_id
         )
+        # a stream's relay watches the client itself (proxy/stream.py); a plain call is raced here
+        resp = await (call_upstream if stream else _unless_gone(call_upstream, receive))
         if endpoint == Endpoint.MESSAGES and resp.status_code == 400:
             resp = await _unclamped(px, resp, rec, upstream_body, headers, stream, run_id)
         step_header = (b"x-policy-step", str(step).encode())
@@ -172,6 +180,12 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
             finally:
                 resp.close()
         return _answer(px, resp, rec, inj, started, step_header, call)
+    except _ClientGone:
+        rec.status, rec.status_code, rec.error = "cancelled", 499, "client disconnected"
+        rec.latency_ms = (time.perf_counter() - started) * 1000.0
+        px.writer.submit(rec)
+        px.metrics.observe(endpoint, "cancelled", rec.latency_ms / 1000.0)
+        return Response(status_code=499)  # nobody reads it: the connection is gone
     except RLProxyError as exc:
         rec.status = "error"
         rec.status_code = exc.status
@@ -183,6 +197,38 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     finally:
         if run_id is not None and not handed_off:
             px.inflight.leave(run_id)
+
+
+class _ClientGone(Exception):
+    """The client hung up while its non-streaming upstream call ran (the call was cancelled)."""
+
+
+async def _unless_gone(call, receive):
+    """Await the upstream call `call` unless the client hangs up first (its body is read, so the next
+    `receive()` returns only `http.disconnect`): then the call is cancelled, which closes its pooled
+    connection so the engine stops decoding, and `_ClientGone` is raised."""
+    task = asyncio.ensure_future(call)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request itself was cancelled (shutdown): take the call down with it
+        task.cancel()
+        gone.cancel()
+        raise
+    if task.done():
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - the cancelled call's own error: the client is gone anyway
+        pass
+    raise _ClientGone
+
+
+async def _disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _answer(

@@ -134,14 +134,7 @@ def _metric(base: str, name: str) -> float:
     raise AssertionError(f"{name} not on /metrics")
 
 
-PROXY_PLAIN = pytest.mark.xfail(
-    strict=True,
-    reason="the proxy (routes_openai.py, engineer hotpath) does not yet race a non-streaming upstream "
-    "call against its client's disconnect; the engine side is done (the direct tests above)",
-)
-
-
-@pytest.mark.parametrize("stream", [pytest.param(False, marks=PROXY_PLAIN), True], ids=["plain", "stream"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_disconnect_through_serve_stops_the_engine_and_stores_cancelled(
     tiny_model_dir: Path, tmp_path: Path, stream: bool
 ) -> None:
