@@ -72,6 +72,7 @@ async def _train(db_url: str, model_dir: Path, checkpoints: Path) -> None:
                         await conn.execute(
                             insert(Completion).values(
                                 run_id=rid, seq=0, policy="tiny", policy_step=n - 1, status="ok",
+                                created_at=now,  # a run trains only completions from before its reward
                                 prompt_token_ids=[rng.randrange(3, 1200) for _ in range(6)],
                                 token_ids=[tokens], logprobs=[[0.0] * len(tokens)],
                             )

@@ -11,11 +11,12 @@ read-only `-shm` killed `serve` with SIGBUS and no log line.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -27,26 +28,28 @@ BIN = Path(sys.executable).parent
 
 def test_case5_healthz_shows_only_the_class_of_a_store_fault(make_proxy, stub):
     proxy = make_proxy(stub.url)
-    poisoned = rec("secret-run-id", 0, default_group="secret-group")
-    poisoned.request = {"messages": [{"role": "user", "content": "the rubric \ud800 secret"}]}
-    proxy.lt.run(_submit(proxy.state.writer, poisoned))  # unstorable: the writer's transaction fails
-    assert proxy.state.writer.last_error  # the writer did fail, with the statement in its message
-    body = httpx.get(f"{proxy.url}/healthz").text
-    for secret in ("secret-run-id", "secret-group", "INSERT", "SQL", "surrogates"):
-        assert secret not in body, body
-    store = httpx.get(f"{proxy.url}/healthz").json()["store"]
-    assert store["last_error"] == "StatementError"
-    # the detail is on the operators' /metrics (and in the log)
-    metrics = httpx.get(f"{proxy.url}/metrics").text
-    assert "rlproxy_store_last_error{" in metrics and "INSERT INTO completions" in metrics
-
-
-async def _submit(writer, record) -> None:
-    writer.submit(record)
-    for _ in range(200):  # no flush: its own (good) transaction would clear last_error
-        if writer.dropped:
-            return
-        await asyncio.sleep(0.02)
+    # a store fault: another process holds SQLite's write lock, so the writer's transaction fails
+    # with SQL in its message (the statement, and for a refused insert its parameters)
+    locker = sqlite3.connect(proxy.db_path, timeout=0)
+    locker.execute("BEGIN IMMEDIATE")
+    try:
+        proxy.state.writer.submit(rec("secret-run-id", 0, default_group="secret-group"))
+        for _ in range(600):
+            if proxy.state.writer.last_error:
+                break
+            time.sleep(0.05)
+        assert proxy.state.writer.last_error  # the writer did fail, with the statement in its message
+        body = httpx.get(f"{proxy.url}/healthz").text
+        for secret in ("secret-run-id", "secret-group", "BEGIN", "SQL", "locked"):
+            assert secret not in body, body
+        store = httpx.get(f"{proxy.url}/healthz").json()["store"]
+        assert store["last_error"] == "OperationalError"
+        # the detail is on the operators' /metrics (and in the log)
+        metrics = httpx.get(f"{proxy.url}/metrics").text
+        assert "rlproxy_store_last_error{" in metrics and "database is locked" in metrics
+    finally:
+        locker.rollback()
+        locker.close()
 
 
 def _chat(base: str, run_id: str) -> int:
