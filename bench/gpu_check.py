@@ -216,7 +216,8 @@ async def launcher_part(model_dir: str, upstream: str, nproc: int, out: Path, ch
             )  # fmt: skip
             await conn.execute(
                 insert(Completion).values(run_id=f"r{i}", seq=0, policy=POLICY, policy_step=0, status="ok",
-                                          prompt_token_ids=prompts[i // GROUP], token_ids=[comps[i]])
+                                          prompt_token_ids=prompts[i // GROUP], token_ids=[comps[i]],
+                                          created_at=now)  # before the reward: a run trains only those
             )  # fmt: skip
     env = {
         **os.environ,
