@@ -31,9 +31,9 @@ import orjson
 from starlette.responses import Response
 
 from rlproxy.errors import APIError
+from rlproxy.proxy import responses
 from rlproxy.wire.message_events import MessageEvents, count_object, message_object, new_message_id
 from rlproxy.wire.messages import MessagesInputError, chat_request, count_request, error_body, error_status
-from rlproxy.wire.sse import event_bytes
 
 _CONTEXT = re.compile(rb"maximum context length|max_model_len", re.IGNORECASE)  # the engine, vLLM
 
@@ -79,35 +79,16 @@ def context_overflow(status: int, content: bytes, upstream_body: dict) -> bool:
     return status == 400 and "max_tokens" in upstream_body and bool(_CONTEXT.search(content[:2000]))
 
 
-class EventStream:
-    """Chat chunks in, the bytes of Messages SSE events out (for `stream.StreamRelay`)."""
+class EventStream(responses.EventStream):
+    """Chat chunks in, the bytes of Messages SSE events out (for `stream.StreamRelay`); the chunk,
+    end and fail rules are the Responses stream's (`proxy/responses.py`), over Messages events."""
 
     def __init__(self, call: Call, model: str) -> None:
-        self.events = MessageEvents(message_id=call.response_id, model=model)
+        self.events = MessageEvents(message_id=call.response_id, model=model)  # type: ignore[assignment]
         self.ended = False
 
     def start(self) -> bytes:
         return b""  # message_start waits for the first chunk (its prompt token ids give input_tokens)
-
-    def chunk(self, chunk: dict) -> bytes:
-        if self.ended:
-            return b""
-        if "error" in chunk and not chunk.get("choices"):  # the upstream's error event mid-stream
-            err = chunk["error"]
-            return self.fail(err.get("message") if isinstance(err, dict) else str(err))
-        return b"".join(map(event_bytes, self.events.feed(chunk)))
-
-    def end(self) -> bytes:
-        if self.ended:
-            return b""
-        self.ended = True
-        return b"".join(map(event_bytes, self.events.finish()))
-
-    def fail(self, message: str) -> bytes:
-        if self.ended:
-            return b""
-        self.ended = True
-        return b"".join(map(event_bytes, self.events.fail(message)))
 
     @property
     def response(self) -> dict:
