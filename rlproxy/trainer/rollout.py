@@ -33,6 +33,7 @@ from rlproxy.storage import rollouts as store
 from rlproxy.storage.rollout_rule import RuleConfig, decide, mode_of, parse_modes
 from rlproxy.storage.training import forget_adapter_paths
 from rlproxy.trainer import checkpoint as ckpt
+from rlproxy.trainer.publish import unload_quietly
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class RolloutController:
             learner = service._learners.get(policy)
             if learner is not None and learner.step == step:
                 service._learners.pop(policy, None)  # the next step starts from the incumbent's checkpoint
-            unload = service._unload(adapter_name(policy, step), service.config.unload_grace)
+            unload = unload_quietly(service.backend, adapter_name(policy, step), service.config.unload_grace)
             task = asyncio.create_task(unload)
             service._unloads.add(task)
             task.add_done_callback(service._unloads.discard)
