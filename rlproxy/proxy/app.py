@@ -121,6 +121,7 @@ def create_app(state: ProxyState) -> FastAPI:
         await state.writer.start()
         # Before serving: store what a killed predecessor's clients received but it never committed.
         await state.writer.recover(timeout=settings.store_unhealthy_after)
+        await state.runs.load()  # the runs closed most recently: refused from the first turn on
         tasks: list[asyncio.Task] = []
         upstream = None
         started: list = []

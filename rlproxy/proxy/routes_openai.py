@@ -126,7 +126,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     if split is not None:
         runkey.check_split(split)
     # a closed run takes no more turns; a chain inherits its previous response's run (proxy/runstate.py)
-    run_id = await px.runs.admit(run_id, call.run_id if call is not None else None)
+    run_id = px.runs.admit(run_id, call.run_id if call is not None else None)
     if not px.gate.is_open:
         await px.gate.wait()
     if px.writer.full:  # the store is behind: wait at its pace (bounded, then 503 + Retry-After)
@@ -204,31 +204,29 @@ class _ClientGone(Exception):
 
 
 async def _unless_gone(call, receive):
-    """Await the upstream call `call` unless the client hangs up first (its body is read, so the next
-    `receive()` returns only `http.disconnect`): then the call is cancelled, which closes its pooled
-    connection so the engine stops decoding, and `_ClientGone` is raised."""
-    task = asyncio.ensure_future(call)
-    gone = asyncio.ensure_future(_disconnect(receive))
+    """Await the upstream call `call` in this task unless the client hangs up first (its body is
+    read, so the next `receive()` returns only `http.disconnect`): one watcher task then cancels
+    this one, which closes the call's pooled connection so the engine stops decoding, and
+    `_ClientGone` is raised. (One task per request, not two: the call runs where it is awaited.)"""
+    me = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        me.cancel()
+
+    watcher = asyncio.create_task(watch())
     try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this request itself was cancelled (shutdown): take the call down with it
-        task.cancel()
-        gone.cancel()
+        return await call
+    except asyncio.CancelledError:
+        if gone and me.uncancel() == 0:  # our own cancel, not the server's shutdown
+            raise _ClientGone from None
         raise
-    if task.done():
-        gone.cancel()
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except BaseException:  # noqa: BLE001 - the cancelled call's own error: the client is gone anyway
-        pass
-    raise _ClientGone
-
-
-async def _disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    finally:
+        watcher.cancel()
 
 
 def _answer(

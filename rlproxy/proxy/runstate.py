@@ -17,15 +17,23 @@ silently made new run would be one the app cannot reward. A chained Responses ca
 run inherited the run of its previous response; that run is over, so the turn is served (the
 conversation goes on for its user) but belongs to no run and is never trained.
 
-No database round trip per request: the state keeps two bounded LRU sets in memory, runs known
-open and runs known closed. A run is looked up in the store the first time this replica sees it
-(one primary-key read per run, not per request); the reward route closes a run here as soon as its
-reward is stored (`close`); and `poll` reads every `run_state_poll_interval` seconds the ids of the
-runs closed since its last look on any replica (a multi-writer PostgreSQL: a reward on replica B
-closes the run for replica A too, within one interval). A turn that slips in within that window is
-stored, and never trained with that reward: the trainer takes only completions created before it
-(storage/training.py `load_runs`). A store that cannot answer the lookup in `LOOKUP_TIMEOUT_S`
-leaves the run open (capture never breaks the user's response; the trainer's rule still holds).
+No store work on the hot path: the state keeps two bounded LRU sets in memory, runs known open
+and runs known closed, and `admit` answers from them alone. At start (`load`) a replica reads the
+ids of the runs closed most recently (up to its capacity): one query, so a restarted replica
+refuses a closed run's next turn at once. The reward route closes a run here as soon as its reward
+is stored (`close`); and `poll` reads every `run_state_poll_interval` seconds the ids of the runs
+closed since its last look on any replica (a multi-writer PostgreSQL: a reward on replica B closes
+the run for replica A too, within one interval). A run this replica has never seen is admitted as
+open at once and checked in the background (`check_unseen`, at each poll: one query for every run
+first seen since the last look, off the request): a run closed before the window `load` read
+(older than the newest `capacity` closed runs) is known closed within one poll interval. A turn
+that slips in within either window is stored, and never trained with that reward: the trainer
+takes only completions created before it (storage/training.py `load_runs`). A store that cannot
+answer leaves the run open (capture never breaks the user's response; the trainer's rule holds).
+
+Why not one read per new run on the request (issue 24): each was a pooled connection, a thread hop
+and a SQLAlchemy statement, ~2.5 ms of CPU; with a few turns per run it was most of a tagged
+request's cost, and 64 concurrent first turns queued on the pool.
 """
 
 from __future__ import annotations
@@ -41,7 +49,6 @@ from rlproxy.storage.errors import RunClosed
 
 log = logging.getLogger(__name__)
 
-LOOKUP_TIMEOUT_S = 1.0  # a store slower than this for a primary-key read leaves the run open
 SKEW_S = 5.0  # the poll reads back this much before its last look (replicas' clocks, slow commits)
 
 
@@ -77,33 +84,40 @@ class RunState:
     def __init__(self, engine, *, poll_interval: float = 1.0, capacity: int = 100_000) -> None:
         self.engine = engine
         self.poll_interval = poll_interval
+        self.capacity = capacity
         self.open = _LRU(capacity)
         self.closed = _LRU(capacity)
-        self.lookups = 0  # store reads made (tests: at most one per run, not one per request)
+        self.lookups = 0  # store reads made for unseen runs (tests: one per run, never one per request)
         self.refused = 0  # turns refused (409) or moved out of a closed run
+        self.late = 0  # turns admitted to a run the background check then found closed
+        self._unseen: list[str] = []  # runs admitted before their check (`check_unseen`)
+
+    async def load(self) -> None:
+        """At start: the runs closed most recently, up to `capacity` (module doc)."""
+        try:
+            ids = await queries.recently_closed(self.engine, self.capacity)
+        except Exception as exc:  # a store that cannot answer: start with none known (module doc)
+            log.warning("run state: could not read the closed runs at start (%s)", exc)
+            return
+        for run_id in reversed(ids):  # oldest first: the newest end up most recently used
+            self.closed.add(run_id)
 
     def close(self, run_id: str) -> None:
         """The reward route stored a reward (or a judge request) for `run_id`."""
         self.open.discard(run_id)
         self.closed.add(run_id)
 
-    async def is_closed(self, run_id: str) -> bool:
+    def is_closed(self, run_id: str) -> bool:
+        """From memory only; a run never seen is open, and checked in the background (`poll`)."""
         if run_id in self.closed:
             return True
         if run_id in self.open:
             return False
-        self.lookups += 1
-        try:
-            closed = run_id in await asyncio.wait_for(
-                queries.closed_runs(self.engine, [run_id]), LOOKUP_TIMEOUT_S
-            )
-        except Exception as exc:  # a slow or failing store: leave the run open (module doc)
-            log.warning("run state: could not look run %r up (%s); it stays open", run_id, exc)
-            return False
-        (self.closed if closed else self.open).add(run_id)
-        return closed
+        self.open.add(run_id)
+        self._unseen.append(run_id)
+        return False
 
-    async def admit(self, run_id: str | None, inherited: str | None = None) -> str | None:
+    def admit(self, run_id: str | None, inherited: str | None = None) -> str | None:
         """The run a turn joins: `run_id` is its own run key (X-Run-Id or the path), `inherited` the
         run of the response its `previous_response_id` names. Raises 409 as the module doc says."""
         if run_id is not None:
@@ -116,22 +130,41 @@ class RunState:
                     param="previous_response_id",
                     code="previous_response_run_mismatch",
                 )
-            if await self.is_closed(run_id):
+            if self.is_closed(run_id):
                 self.refused += 1
                 raise RunClosed(run_id)
             return run_id
-        if inherited is not None and await self.is_closed(inherited):
+        if inherited is not None and self.is_closed(inherited):
             self.refused += 1
             log.info("a turn continuing closed run %r is served outside any run", inherited)
             return None
         return inherited
 
+    async def check_unseen(self, batch: int = 500) -> None:
+        """Check the runs admitted unseen since the last look against the store (module doc)."""
+        while self._unseen:
+            ids, self._unseen = self._unseen[:batch], self._unseen[batch:]
+            self.lookups += len(ids)
+            try:
+                closed = await queries.closed_runs(self.engine, ids)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a slow or failing store: the runs stay open (module doc)
+                log.warning("run state: could not check %d runs (%s); they stay open", len(ids), exc)
+                continue
+            for run_id in closed:
+                self.late += 1
+                log.warning("run %r was closed before this replica saw it: no more turns", run_id)
+                self.close(run_id)
+
     async def poll(self) -> None:
-        """Forever: learn the runs closed on other replicas since the last look (module doc)."""
+        """Forever: check the runs first seen since the last look, and learn the runs closed on other
+        replicas since then (module doc)."""
         since = datetime.now(UTC) - timedelta(seconds=SKEW_S)
         while True:
             await asyncio.sleep(self.poll_interval)
             started = datetime.now(UTC)
+            await self.check_unseen()
             try:
                 for run_id in await queries.closed_since(self.engine, since):
                     if run_id in self.open:  # only runs this replica serves: memory stays bounded

@@ -27,12 +27,15 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import orjson
+import sqlalchemy
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateColumn
+
+from rlproxy.storage.inline import InlineEngine
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +223,35 @@ def _sqlite_engine(
     if readonly or statement_timeout_s:
         args["factory"] = _sqlite_factory(readonly, statement_timeout_s)
     engine = create_async_engine(url, connect_args=args, **kwargs)
+    _sqlite_events(engine.sync_engine, readonly, busy_timeout_ms)
+    return engine
 
-    @event.listens_for(engine.sync_engine, "connect")
+
+def writer_engine(engine: AsyncEngine) -> AsyncEngine | InlineEngine:
+    """The engine the writer's thread writes with (storage/writer.py): for a SQLite file, the same
+    connection settings over plain `sqlite3`, awaited inline (storage/inline.py says why); for
+    another database, a clone of `engine` for the thread's own loop."""
+    origin = _ORIGIN.get(engine.sync_engine)
+    if engine.dialect.name != "sqlite" or origin is None or origin[1] or origin[3]:
+        return clone_engine(engine)
+    url, _readonly, busy_timeout_ms, _timeout, kwargs = origin
+    if set(kwargs) - {"json_serializer", "json_deserializer", "connect_args"}:
+        return clone_engine(engine)  # options made for the async driver (a pool class, ...)
+    kwargs = dict(kwargs)
+    kwargs.setdefault("json_serializer", _json_dumps)
+    kwargs.setdefault("json_deserializer", orjson.loads)
+    args = dict(kwargs.pop("connect_args", {}))
+    args.setdefault("timeout", busy_timeout_ms / 1000)
+    sync_url = make_url(normalize_url(url)).set(drivername="sqlite+pysqlite")
+    sync = sqlalchemy.create_engine(sync_url, connect_args=args, **kwargs)
+    _sqlite_events(sync, False, busy_timeout_ms)
+    return InlineEngine(sync)
+
+
+def _sqlite_events(sync_engine: Any, readonly: bool, busy_timeout_ms: int) -> None:
+    """Every SQLite connection's pragmas, and BEGIN in the mode a writer asks for."""
+
+    @event.listens_for(sync_engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         # Driver-level autocommit: SQLAlchemy emits BEGIN itself (below), so that a writer can ask
         # for BEGIN IMMEDIATE and pragmas run outside any transaction.
@@ -235,12 +265,10 @@ def _sqlite_engine(
             cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
-    @event.listens_for(engine.sync_engine, "begin")
+    @event.listens_for(sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
         mode = conn.get_execution_options().get(SQLITE_BEGIN, "")
         conn.exec_driver_sql(f"BEGIN {mode}".strip())
-
-    return engine
 
 
 async def connect_write(engine: AsyncEngine) -> AsyncConnection:

@@ -354,6 +354,18 @@ async def closed_runs(engine: AsyncEngine, run_ids: list[str]) -> set[str]:
         return set((await conn.execute(q)).scalars())
 
 
+async def recently_closed(engine: AsyncEngine, limit: int) -> list[str]:
+    """Ids of the `limit` runs closed most recently, newest first (a replica's start: proxy/runstate.py)."""
+    q = (
+        select(RUNS.c.id)
+        .where(RUNS.c.status.in_(CLOSED_STATUSES), _closed())
+        .order_by(RUNS.c.completed_at.desc())
+        .limit(limit)
+    )
+    async with engine.connect() as conn:
+        return list((await conn.execute(q)).scalars())
+
+
 async def closed_since(engine: AsyncEngine, since: datetime, limit: int = 100_000) -> list[str]:
     """Ids of the runs rewarded (or completed for the judge) at or after `since`, on any replica
     (`ix_runs_status_completed`: one range per closed status)."""

@@ -70,7 +70,7 @@ from sqlalchemy import exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from rlproxy.errors import StorageError
-from rlproxy.storage.db import clone_engine, connect_write, is_sqlite, sqlite_path
+from rlproxy.storage.db import connect_write, is_sqlite, sqlite_path, writer_engine
 from rlproxy.storage.errors import RunNotFound, StoreUnavailable
 from rlproxy.storage.journal import Journal, Segment, encode
 from rlproxy.storage.records import CompletionRecord, storable
@@ -242,7 +242,7 @@ class Writer:
 
         async def main() -> None:
             self._wloop = loop
-            self._db = clone_engine(self._engine)
+            self._db = writer_engine(self._engine)
             ready.set_result(None)
             try:
                 await self._run()

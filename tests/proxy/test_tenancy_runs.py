@@ -43,6 +43,7 @@ def test_case2_closed_run_takes_no_more_turns(make_proxy, stub):
     proxy = make_proxy(stub.url)
     for _ in range(3):
         assert _chat(proxy.url, "r-1").status_code == 200
+    _settled(proxy.state.runs)
     assert proxy.state.runs.lookups == 1  # one store read for the run, not one per request
     assert httpx.post(f"{proxy.url}/v1/runs/r-1/reward", json={"reward": 0.9}).status_code == 200
     relayed = stub.requests
@@ -70,6 +71,49 @@ def test_case2_closed_run_is_known_after_a_restart(make_proxy, stub, tmp_path: P
     first.stop()
     again = make_proxy(stub.url, db_url=f"sqlite+aiosqlite:///{first.db_path}")
     _closed(_chat(again.url, "r-1"))  # looked up in the store: a fresh replica knows it too
+
+
+def test_case2_a_run_closed_before_the_start_window_is_refused_from_its_second_turn(
+    make_proxy, stub, tmp_path: Path
+):
+    """A replica reads only the newest `capacity` closed runs at start; an older one is admitted once,
+    found closed by the background check, and refused from then on (its slipped turn never trains)."""
+    first = make_proxy(stub.url)
+    for run_id in ("r-old", "r-new"):
+        assert _chat(first.url, run_id).status_code == 200
+        assert httpx.post(f"{first.url}/v1/runs/{run_id}/reward", json={"reward": 0.5}).status_code == 200
+        time.sleep(0.05)  # completed_at orders them
+    first.stop()
+
+    async def scenario() -> list[bool]:
+        from rlproxy.proxy.runstate import RunState
+        from rlproxy.storage.db import create_engine
+
+        engine = create_engine(str(first.db_path))
+        runs = RunState(engine, capacity=1, poll_interval=0.05)
+        await runs.load()
+        check = asyncio.create_task(runs.poll())
+        try:
+            seen = [runs.is_closed("r-new"), runs.is_closed("r-old")]
+            for _ in range(200):
+                if runs.lookups and not runs._unseen:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            return [*seen, runs.is_closed("r-old"), runs.late == 1, runs.lookups == 1]
+        finally:
+            check.cancel()
+            await engine.dispose()
+
+    assert asyncio.run(scenario()) == [True, False, True, True, True]
+
+
+def _settled(runs, timeout: float = 5.0) -> None:
+    """Wait until the background check has read every run admitted unseen (proxy/runstate.py)."""
+    deadline = time.monotonic() + timeout
+    while (runs._unseen or not runs.lookups) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
 
 
 def test_case2_responses_chain_never_moves_into_a_closed_run(make_proxy, stub):
