@@ -9,7 +9,10 @@ must be gapless. A FIFO queue feeding one connection gives both without locks: t
 takes what has queued up (for `flush_interval` seconds or `max_batch` operations), writes it in one
 transaction (`BEGIN IMMEDIATE` on SQLite), and only then moves on. A reward travels through the same
 queue, so by the time it is applied every completion submitted before it for its run is committed
-in the same or an earlier transaction; the caller awaits a future resolved after the commit.
+in the same or an earlier transaction; the caller awaits a future resolved after the commit. A
+reward does not cut the batch short: it is committed with the batch being gathered, within
+`flush_interval` or REWARD_WAIT_S, whichever is shorter (a commit of its own per reward was most
+of the writer's time under tagged traffic with rewards flowing: issue 24).
 
 Several processes (replicas on one PostgreSQL) each run one writer. What keeps them correct is in
 the transaction, not in memory: `seq` comes from the run row's counter (`rows.ensure_runs`, which
@@ -58,9 +61,9 @@ import collections
 import concurrent.futures
 import logging
 import math
+import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -92,6 +95,7 @@ MAX_BACKOFF_S = 2.0
 # the run's first completion commits it up to its flush_interval (0.05 s) + a transaction later.
 PEER_GRACE_S = 1.0
 PEER_RETRY_S = 0.05
+REWARD_WAIT_S = 0.05  # a reward waits for the batch being gathered at most this long (module doc)
 
 
 class _Item:
@@ -179,8 +183,10 @@ class Writer:
         self._inbox: collections.deque[_Op] = collections.deque()
         self._wake = asyncio.Event()  # the writer loop's
         self._sleep = _AWAKE
-        self._urgent_in = 0  # rewards, flushes and stops queued (counted by the caller)...
+        self._urgent_in = 0  # flushes and stops queued (counted by the caller)...
         self._urgent_out = 0  # ...and taken (counted by the writer): flush without waiting for more
+        self._soon_in = 0  # rewards queued...
+        self._soon_out = 0  # ...and taken: gather for at most REWARD_WAIT_S while one waits
         self._conn: AsyncConnection | None = None
         self._task: asyncio.Future[None] | None = None  # the writer task (or its thread) ends
         self._closing = False
@@ -304,7 +310,7 @@ class Writer:
             log.error("writer is closed; completion of run %s not stored", rec.run_id)
             return
         if rec.capture_id is None:
-            rec.capture_id = uuid.uuid4().hex
+            rec.capture_id = os.urandom(16).hex()  # uuid4().hex without building a UUID
         seg = None
         try:
             payload = encode(rec)
@@ -381,7 +387,7 @@ class Writer:
         started = time.monotonic()
         while True:
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            self._put_urgent(_Reward(run_id, value, metrics, metadata, fut, rubric, split))
+            self._put_soon(_Reward(run_id, value, metrics, metadata, fut, rubric, split))
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
             try:
                 return await asyncio.wait_for(fut, left)
@@ -438,6 +444,25 @@ class Writer:
 
     # -- the task -----------------------------------------------------------------------------
 
+    def _put_soon(self, op: _Op) -> None:
+        """A reward: committed with the batch being gathered (within `flush_interval`), not in a
+        transaction of its own. Urgent rewards cost a commit each, and under tagged traffic with
+        rewards flowing most of the writer's time was those commits (issue 24)."""
+        if self._pending == 0:
+            self._progress_at = time.monotonic()
+        self._pending += 1
+        first = self._soon_in == self._soon_out
+        self._soon_in += 1
+        self._inbox.append(op)
+        if self._sleep == _SLEEP_IDLE:
+            self._signal()
+        elif self._sleep == _SLEEP_BATCH and first and self.flush_interval > REWARD_WAIT_S:
+            self._to_writer(self._wake_soon)
+
+    def _wake_soon(self) -> None:
+        """On the writer's loop: end the batch being gathered within REWARD_WAIT_S."""
+        self._wloop.call_later(REWARD_WAIT_S, self._wake.set)
+
     def _put_urgent(self, op: _Op) -> None:
         if self._pending == 0:
             self._progress_at = time.monotonic()
@@ -483,13 +508,18 @@ class Writer:
             and len(self._inbox) < self.max_batch
             and self.flush_interval > 0
         ):
-            await self._sleep_until(_SLEEP_BATCH, self.flush_interval)
+            window = self.flush_interval
+            if self._soon_in != self._soon_out:  # a reward is waiting: not longer than REWARD_WAIT_S
+                window = min(window, REWARD_WAIT_S)
+            await self._sleep_until(_SLEEP_BATCH, window)
         batch: list[_Op] = []
         while self._inbox and len(batch) < self.max_batch:
             op = self._inbox.popleft()
             batch.append(op)
-            if not isinstance(op, _Item):
+            if isinstance(op, _Flush | _Stop):
                 self._urgent_out += 1
+            elif isinstance(op, _Reward):
+                self._soon_out += 1
                 if isinstance(op, _Stop):
                     break
         return batch
