@@ -194,6 +194,7 @@ class Writer:
         self._close_deadline: float | None = None
         self._pending = 0
         self.rows_written = 0  # completions committed
+        self.commits = 0  # transactions committed
         self.rewards_written = 0
         self.write_errors = 0  # failed transaction attempts (each one retried)
         self.dropped = 0  # records given up on (logged); 0 unless a record cannot be stored at all
@@ -699,6 +700,7 @@ class Writer:
             if stretch:
                 written += await self._insert(conn, stretch, now)
         self.rows_written += written
+        self.commits += 1
         self.replayed += replayed_n
         self.rewards_written += sum(1 for o in outcomes if o is True)
         return outcomes

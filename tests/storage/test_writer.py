@@ -89,6 +89,21 @@ async def test_reward_flushes_the_runs_completions_first(engine: AsyncEngine) ->
     await w.close()
 
 
+async def test_a_reward_joins_the_batch_being_gathered(engine: AsyncEngine) -> None:
+    """A reward is committed with the records that arrive while its batch gathers (within
+    REWARD_WAIT_S), not in a transaction of its own (issue 24: a commit per reward was most of the
+    writer's time under tagged traffic). Before: the reward ended the batch, `b` came in a second."""
+    w = Writer(engine, flush_interval=0.2)
+    await w.start()
+    w.submit(rec("a"))
+    reward = asyncio.ensure_future(w.reward("a", 1.0))
+    await asyncio.sleep(0.005)
+    w.submit(rec("b"))
+    assert await reward is True
+    assert (w.commits, w.rows_written) == (1, 2)  # `b` came in the reward's transaction
+    await w.close()
+
+
 async def test_reward_outcomes(engine: AsyncEngine) -> None:
     w = Writer(engine, flush_interval=0.01)
     await w.start()
