@@ -32,6 +32,7 @@ from proxy.proxy_helpers import ProxyServer
 from readme_blocks import Block, blocks, cli_lines
 from support import require
 
+from rlproxy.proxy.rules import rules_markdown
 from rlproxy.settings import Settings, settings_markdown
 from tests.storage.test_readme_queries import QUERIES
 
@@ -403,6 +404,19 @@ def test_configuration_table_is_generated_from_settings() -> None:
     assert table.group(1).strip() == settings_markdown().strip(), (
         "docs/configuration.md's table is stale: paste the output of "
         "`python -c 'from rlproxy.settings import settings_markdown; print(settings_markdown())'`"
+    )
+
+
+SECURITY = ROOT / "docs" / "security.md"  # the route rules' table's page
+
+
+def test_route_rules_table_is_generated_from_the_rules() -> None:
+    text = SECURITY.read_text()
+    table = re.search(r"<!-- rules:start -->\n(.*?)\n<!-- rules:end -->", text, re.S)
+    assert table, "docs/security.md lost its route rules markers"
+    assert table.group(1).strip() == rules_markdown().strip(), (
+        "docs/security.md's route rules table is stale: paste the output of "
+        "`python -c 'from rlproxy.proxy.rules import rules_markdown; print(rules_markdown())'`"
     )
 
 

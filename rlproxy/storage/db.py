@@ -34,6 +34,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateColumn
 
+from rlproxy.errors import StorageError
+
 log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -364,8 +366,6 @@ class StoreFile:
         return st.st_dev, st.st_ino
 
     def preflight(self) -> None:
-        from rlproxy.errors import StorageError
-
         if self.path is None:
             return
         for sidecar in (self.path + "-wal", self.path + "-shm"):
