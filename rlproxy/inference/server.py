@@ -56,13 +56,8 @@ from rlproxy.inference.protocol import ChatBody, CompletionBody, LoadLoRABody, U
 from rlproxy.inference.tools import ToolStream, messages_for_template, parse_tool_calls
 from rlproxy.wire import message_events as anthropic_events
 from rlproxy.wire import messages as anthropic
-from rlproxy.wire.responses import (
-    ResponseEvents,
-    ResponsesInputError,
-    chat_request,
-    conversation,
-    response_object,
-)
+from rlproxy.wire.response_events import ResponseEvents, response_object
+from rlproxy.wire.responses import ResponsesInputError, chat_request, conversation
 from rlproxy.wire.sse import data_text as _sse
 from rlproxy.wire.sse import event_text as _event
 
