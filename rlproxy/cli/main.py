@@ -6,6 +6,10 @@ environment variable and default are the field's, the same as the README's table
 (`options.CleanErrors`); `rlproxy --debug ...` shows the traceback instead. The long commands run
 `processes.py` (which builds through `rlproxy/compose.py`); queries are in `rlproxy/storage/`;
 output formats in `output.py`. Nothing imports this package: it is the entrance.
+
+(Over 400 lines: typer reads each command's options from its function's signature, so a command's
+options, checks and output stay in one function, and the commands share the option types above;
+`rollout.py` shows the cut to make next (the read commands: runs, steps, sql, export).)
 """
 
 from __future__ import annotations
@@ -77,6 +81,14 @@ def main(
 DbOpt = Annotated[str, setting("db_url", "--db", help="database URL or SQLite file path", metavar="URL")]
 LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="rows to show (1-1000)")]
 InitOpt = Annotated[str | None, setting("init_adapter", "--init-adapter", metavar="DIR")]
+# `train` and `sft` load adapters into a server on the base model the server serves
+BaseModelOpt = Annotated[str, setting("model", help="the base model (same weights as the server's)")]
+CheckpointDirOpt = Annotated[str, setting("checkpoint_dir", metavar="DIR")]
+
+
+def upstream_opt(help: str) -> Any:
+    """The `--upstream URL` option (repeatable: replicas), with what this command does with it."""
+    return Annotated[list[str] | None, setting("upstream", metavar="URL", help=help)]
 
 
 def make_settings(**options: Any) -> Settings:
@@ -251,17 +263,10 @@ def engine(
 @settings_flags(skip=("host", "port", "api_key", "admin_key", "train", "blocking_train", "backend"))
 def train(
     db: DbOpt = field_default("db_url"),
-    upstream: Annotated[
-        list[str] | None,
-        setting(
-            "upstream",
-            metavar="URL",
-            help="the inference server to publish adapters to (repeat for several replicas: each gets them)",
-        ),
-    ] = None,
-    model: Annotated[
-        str, setting("model", help="the base model (same weights as the server's)")
-    ] = field_default("model"),
+    upstream: upstream_opt(
+        "the inference server to publish adapters to (repeat for several replicas: each gets them)"
+    ) = None,
+    model: BaseModelOpt = field_default("model"),
     group_size: Annotated[int, setting("group_size", min=1)] = field_default("group_size"),
     groups_per_step: Annotated[int, setting("groups_per_step", min=1)] = field_default("groups_per_step"),
     nproc: Annotated[int, setting("nproc", min=0)] = field_default("nproc"),
@@ -357,20 +362,9 @@ def sft(
     batch_size: Annotated[int, typer.Option(min=1, help="examples per optimizer step")] = 16,
     learning_rate: Annotated[float | None, setting("learning_rate", min=0)] = None,
     db: DbOpt = field_default("db_url"),
-    upstream: Annotated[
-        list[str] | None,
-        setting(
-            "upstream",
-            metavar="URL",
-            help="also load the new adapter into this server (else serve's poll does)",
-        ),
-    ] = None,
-    model: Annotated[
-        str, setting("model", help="the base model (same weights as the server's)")
-    ] = field_default("model"),
-    checkpoint_dir: Annotated[str, setting("checkpoint_dir", metavar="DIR")] = field_default(
-        "checkpoint_dir"
-    ),
+    upstream: upstream_opt("also load the new adapter into this server (else serve's poll does)") = None,
+    model: BaseModelOpt = field_default("model"),
+    checkpoint_dir: CheckpointDirOpt = field_default("checkpoint_dir"),
 ) -> None:
     """Supervised fine-tuning from stored runs (exact tokens) or a chat file, published as the next step."""
     from rlproxy.cli import processes  # lazy: the web stack and the composition root
@@ -437,9 +431,7 @@ def fork(
     source: Annotated[str, typer.Argument(metavar="POLICY@N", help="the step to start from")],
     new_policy: Annotated[str, typer.Argument(metavar="NEW_POLICY", help="the new policy's name")],
     db: DbOpt = field_default("db_url"),
-    checkpoint_dir: Annotated[str, setting("checkpoint_dir", metavar="DIR")] = field_default(
-        "checkpoint_dir"
-    ),
+    checkpoint_dir: CheckpointDirOpt = field_default("checkpoint_dir"),
 ) -> None:
     """Start a new policy from a step: NEW_POLICY@1 is POLICY@N (adapter and optimizer state)."""
     from rlproxy.cli import processes  # lazy: the web stack and the composition root

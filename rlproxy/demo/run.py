@@ -17,6 +17,10 @@ A demo row is one group: sample it with the current policy, then one trainer ste
 trainer's `training_steps.step`; none when the group's rewards were all equal and it was skipped).
 The reward of a row is the mean reward of its group, i.e. what the agent experienced. Every setting
 the demo gives `serve` that differs from its default is printed and stored in summary.json.
+
+(Over 400 lines: the demo is one script read top to bottom (start, drive, wait, measure, stop) whose
+steps share the server process and the output folder; the agents and the rungs are in their own
+files.)
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ run its status (`StatusReason`).
 `commit_step` is the exactly-once point: in ONE write transaction (SQLite: BEGIN IMMEDIATE) it sets
 the step's runs to `trained` only if every one is still `completed` (or `ungrouped`), and inserts the
 `training_steps` row; anything else rolls back and raises `StepConflict`.
+
+(Over 400 lines: the selection of groups and the exactly-once commit are one contract over the same
+statuses and indexes; the column list is `step_columns.py`, judging `judging.py`.)
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ its own), and commits its `training_steps` row (and, for fork and init, the `pol
 0007). A running `serve` on the same store serves the new step within `policy_poll_interval`
 (proxy/policies.py: it loads the adapter from the checkpoint folder, then flips the alias), so
 `checkpoint_dir` must be the same folder for both.
+
+(Over 400 lines by a few: the three kinds of step share one order (lock, checkpoint, load, commit)
+and `publish.publish_step`.)
 """
 
 from __future__ import annotations
