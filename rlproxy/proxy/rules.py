@@ -60,7 +60,17 @@ RULES: tuple[Rule, ...] = (
     Rule(("/v1/runs", "/v1/runs/stats"), Who.ADMIN, what="listing every run, run stats"),
     Rule(("/v1/training*", "/v1/admin/*"), Who.ADMIN, what="training data; adapter control"),
     Rule(
-        ("*/runs/*/reward", "*/runs/*/complete", "/v1/completions/*/reward", "/v1/completions/*/complete"),
+        # the ones ending `/runs/reward` name no route, but get the reward bound as any such path did
+        (
+            "*/runs/*/reward",
+            "*/runs/*/complete",
+            "/v1/completions/*/reward",
+            "/v1/completions/*/complete",
+            "*/runs/reward",
+            "*/runs/complete",
+            "/v1/completions/reward",
+            "/v1/completions/complete",
+        ),
         Who.AGENT,
         Body.REWARD,
         what="a run's reward or completion, an untagged reply's reward",

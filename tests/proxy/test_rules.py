@@ -4,6 +4,8 @@ oracle)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from rlproxy.proxy import dashboard
@@ -67,6 +69,10 @@ PATHS = [
     "/v1/admin",
     "/v1/models",
     "/v1/foo/runs/x/reward",  # relayed upstream: still the reward bound, as before
+    "/v1/runs/reward",  # no route: the reward bound, as before
+    "/runs/complete",
+    "/v1/completions/reward",
+    "/v1/completions/complete",
     "/v1/rewardx",
     "/x/reward",
 ]
@@ -79,6 +85,31 @@ def test_rules_give_the_old_answers(path: str) -> None:
     assert ROUTE_RULES.is_reward_body(path) == old_reward_body(path)
     assert ROUTE_RULES.is_capped(path) == (path not in OLD_EXEMPT)
     assert Limits(None, 100, 10, 1).limit(path) == (10 if old_reward_body(path) else 100)
+
+
+def test_rules_give_the_old_answers_on_every_short_path() -> None:
+    """Every path of up to four segments from the routes' words: the same answers as the old lists."""
+    words = ["", "v1", "runs", "x", "reward", "complete", "completions", "training", "admin", "stats"]
+    words += ["metrics", "healthz", "dashboard", "app.js", "rollouts"]
+    wrong = []
+    for n in range(1, 5):
+        for segments in itertools.product(words, repeat=n):
+            path = "/" + "/".join(segments)
+            old = (
+                path in OLD_ADMIN_PATHS or path.startswith(OLD_ADMIN_PREFIXES),
+                path in OLD_PUBLIC,
+                old_reward_body(path),
+                path not in OLD_EXEMPT,
+            )
+            new = (
+                ROUTE_RULES.is_admin(path),
+                ROUTE_RULES.is_public(path),
+                ROUTE_RULES.is_reward_body(path),
+                ROUTE_RULES.is_capped(path),
+            )
+            if old != new:
+                wrong.append(path)
+    assert not wrong, wrong[:10]
 
 
 def test_no_path_is_named_by_two_rules() -> None:
