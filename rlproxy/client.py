@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -112,6 +112,12 @@ def _complete_body(rubric: str | None, metadata: dict[str, Any] | None) -> dict:
 
 
 class _RunBase:
+    """What `Run` and `AsyncRun` share: the run's headers and URLs, and their clients (of the
+    subclass's `_openai_class` / `_http_class`, sync or async)."""
+
+    _openai_class: type
+    _http_class: type
+
     def __init__(
         self,
         base_url: str,
@@ -119,7 +125,7 @@ class _RunBase:
         run_id: str,
         group_id: str | None,
         split: str | None = None,
-        kw: dict[str, Any] | None = None,
+        **kw: Any,
     ) -> None:
         if split not in (None, "train", "val"):
             raise ValueError(f'split must be "train" or "val", not {split!r}')
@@ -136,9 +142,10 @@ class _RunBase:
         self._api_key = api_key or "none"  # the OpenAI SDK wants some key; an open proxy ignores it
         self.reward_url = f"{base_url}/runs/{run_id}/reward"
         self.complete_url = f"{base_url}/runs/{run_id}/complete"
-        self._openai_kw = dict(kw or {})
-        extra = self._openai_kw.pop("default_headers", None) or {}
-        self._openai_kw["default_headers"] = {**extra, **self.headers}  # the run's headers win
+        extra = kw.pop("default_headers", None) or {}
+        kw["default_headers"] = {**extra, **self.headers}  # the run's headers win
+        self.openai = self._openai_class(base_url=base_url, api_key=self._api_key, **kw)
+        self._http = self._http_class(timeout=60.0)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} at {self.base_url}>"
@@ -147,18 +154,8 @@ class _RunBase:
 class Run(_RunBase):
     """One episode: `openai` (an `openai.OpenAI` carrying the run's headers), `id`, `reward(...)`."""
 
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str | None,
-        run_id: str,
-        group_id: str | None,
-        split: str | None = None,
-        **kw: Any,
-    ):
-        super().__init__(base_url, api_key, run_id, group_id, split, kw)
-        self.openai = openai.OpenAI(base_url=base_url, api_key=self._api_key, **self._openai_kw)
-        self._http = httpx.Client(timeout=60.0)
+    _openai_class = openai.OpenAI
+    _http_class = httpx.Client
 
     def _post(self, url: str, body: dict) -> dict:
         for attempt in range(_RETRIES_503 + 1):
@@ -186,18 +183,8 @@ class Run(_RunBase):
 class AsyncRun(_RunBase):
     """`Run` with `openai.AsyncOpenAI` and `await run.reward(...)`."""
 
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str | None,
-        run_id: str,
-        group_id: str | None,
-        split: str | None = None,
-        **kw: Any,
-    ):
-        super().__init__(base_url, api_key, run_id, group_id, split, kw)
-        self.openai = openai.AsyncOpenAI(base_url=base_url, api_key=self._api_key, **self._openai_kw)
-        self._http = httpx.AsyncClient(timeout=60.0)
+    _openai_class = openai.AsyncOpenAI
+    _http_class = httpx.AsyncClient
 
     async def _post(self, url: str, body: dict) -> dict:
         for attempt in range(_RETRIES_503 + 1):
@@ -222,6 +209,23 @@ class AsyncRun(_RunBase):
         await self._http.aclose()
 
 
+R = TypeVar("R", bound=_RunBase)
+
+
+def _new(
+    cls: type[R],
+    base_url: str | None,
+    api_key: str | None,
+    run_id: str | None,
+    group_id: str | None,
+    split: str | None,
+    kw: dict[str, Any],
+) -> R:
+    """A `cls` run with the defaults of `run` filled in (the environment's URL and key, a new id)."""
+    base, key, rid = _settings(base_url, api_key, run_id)
+    return cls(base, key, rid, group_id, split, **kw)
+
+
 @contextmanager
 def run(
     base_url: str | None = None,
@@ -235,8 +239,7 @@ def run(
     key (default `OPENAI_API_KEY`), `run_id` a new `run-<hex>` unless given, `split="val"` a
     validation run; `openai_kwargs` go to `openai.OpenAI` (`max_retries=`, `timeout=`,
     `default_headers=` merged with the run's). The clients are closed on exit."""
-    base, key, rid = _settings(base_url, api_key, run_id)
-    r = Run(base, key, rid, group_id, split, **openai_kwargs)
+    r = _new(Run, base_url, api_key, run_id, group_id, split, openai_kwargs)
     try:
         yield r
     finally:
@@ -253,8 +256,7 @@ async def arun(
     **openai_kwargs: Any,
 ) -> AsyncIterator[AsyncRun]:
     """`run` for asyncio code: `async with rlproxy.client.arun(...) as run:`."""
-    base, key, rid = _settings(base_url, api_key, run_id)
-    r = AsyncRun(base, key, rid, group_id, split, **openai_kwargs)
+    r = _new(AsyncRun, base_url, api_key, run_id, group_id, split, openai_kwargs)
     try:
         yield r
     finally:

@@ -25,17 +25,23 @@ from __future__ import annotations
 
 import logging
 import secrets
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI
+
 from rlproxy.inference.backend import Backend
+from rlproxy.inference.vllm import VLLMBackend
 from rlproxy.proxy import (
     dashboard,
+    errors,
     routes_models,
     routes_openai,
     routes_rollouts,
     routes_runs,
     routes_untagged,
+    rules,
 )
 from rlproxy.proxy.app import ProxyState, create_app
 from rlproxy.proxy.auth import Principals
@@ -45,12 +51,21 @@ from rlproxy.proxy.hosted import parse_hosted, provider_models
 from rlproxy.proxy.limits import Limits
 from rlproxy.proxy.messages import AnthropicErrors
 from rlproxy.proxy.metrics import Metrics
-from rlproxy.proxy.policies import Policies
-from rlproxy.settings import Settings
+from rlproxy.proxy.policies import Policies, parse_model_map
+from rlproxy.proxy.rollout import RolloutService, Router
+from rlproxy.settings import JudgeSettings, Settings
+from rlproxy.storage import queries
+from rlproxy.storage.db import normalize_url
+from rlproxy.storage.rollout_rule import parse_modes
+from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.judge import Judge, JudgeConfig
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS: tuple[str, ...] = ("/healthz", *dashboard.PUBLIC_PATHS, *routes_rollouts.PUBLIC_PATHS)
+# The embedded engine and the trainer's modules load torch (seconds, and memory): they are imported
+# where they are built (`# lazy: torch`), so a process that needs neither never loads it.
+
+PUBLIC_PATHS: tuple[str, ...] = rules.PUBLIC_PATHS  # the route rules' (proxy/rules.py)
 
 
 def make_backend(settings: Settings) -> Backend:
@@ -66,8 +81,6 @@ def make_backend(settings: Settings) -> Backend:
     """
     cache_dir = Path(settings.cache_dir).expanduser()
     if settings.backend == "vllm" or settings.upstream:
-        from rlproxy.inference.vllm import VLLMBackend
-
         return VLLMBackend(
             settings.model,
             cache_dir=cache_dir,
@@ -80,7 +93,7 @@ def make_backend(settings: Settings) -> Backend:
             api_key=settings.upstream_api_key if settings.upstream else secrets.token_urlsafe(32),
             default_max_tokens=settings.engine_default_max_tokens,
         )
-    from rlproxy.inference.embedded import DEFAULT_MAX_TOKENS, EmbeddedBackend
+    from rlproxy.inference.embedded import DEFAULT_MAX_TOKENS, EmbeddedBackend  # lazy: torch
 
     return EmbeddedBackend(
         settings.model,
@@ -94,36 +107,19 @@ def make_backend(settings: Settings) -> Backend:
     )
 
 
-def trainer_config(settings: Settings) -> Any:
-    """The TrainerConfig part of the settings (what is saved with every step)."""
-    from rlproxy.trainer.config import TrainerConfig
-
-    return TrainerConfig(**settings.model_dump(include=set(TrainerConfig.model_fields)))
+def trainer_config(settings: Settings) -> TrainerConfig:
+    """The settings' trainer group (what is saved with every step)."""
+    return settings.group(TrainerConfig)
 
 
-def make_judge(settings: Settings, backend: Backend, metrics: Any = None) -> Any:
-    """The judge the trainer asks before it selects groups (trainer/judge.py), or None when it is off
-    for every policy. Its default endpoint is the backend itself (`base_url`/v1, its served model and
-    key): called directly, never through the proxy's capture, so judge calls are never training data."""
-    from rlproxy.trainer.judge import Judge, JudgeConfig, parse_policy_modes
-
-    policies = parse_policy_modes(settings.judge_policies)
-    if settings.judge == "off" and all(m == "off" for m in policies.values()):
+def make_judge(settings: JudgeSettings, backend: Backend, metrics: Any = None) -> Judge | None:
+    """The judge the trainer asks before it selects groups (trainer/judge.py), built from the
+    settings' judge group (`settings.group(JudgeSettings)`), or None when it is off for every
+    policy. Its default endpoint is the backend itself (`base_url`/v1, its served model and key):
+    called directly, never through the proxy's capture, so judge calls are never training data."""
+    config = JudgeConfig.of(settings)
+    if config.off:
         return None
-    config = JudgeConfig(
-        mode=settings.judge,
-        policies=policies,
-        base_url=settings.judge_base_url,
-        model=settings.judge_model,
-        api_key=settings.judge_api_key,
-        rubric=settings.judge_rubric,
-        rubrics=dict(settings.judge_rubrics),
-        max_attempts=settings.judge_max_attempts,
-        max_tokens=settings.judge_max_tokens,
-        temperature=settings.judge_temperature,
-        timeout=settings.judge_timeout,
-        max_chars=settings.judge_max_chars,
-    )
 
     def upstream() -> tuple[str, str, str | None]:  # known once the backend has started
         return f"{backend.base_url}/v1", backend.served_model, backend.api_key
@@ -138,8 +134,6 @@ def make_judge(settings: Settings, backend: Backend, metrics: Any = None) -> Any
 
 def init_targets(settings: Settings, default_policy: str) -> list[str]:
     """The policies `--init-adapter` starts: the default policy and the model map's."""
-    from rlproxy.proxy.policies import parse_model_map
-
     hosted = _hosted_specs(settings)  # a hosted provider's policy has no adapter to start
     names = dict.fromkeys([default_policy, *parse_model_map(settings.model_map).values()])
     return [p for p in names if p not in hosted]
@@ -155,8 +149,7 @@ def _hosted_specs(settings: Settings) -> dict[str, Any]:
 async def init_adapter(settings: Settings, backend: Backend, default_policy: str) -> list[str]:
     """`--init-adapter DIR`: DIR becomes step 1 of each policy without steps (trainer/offline.py),
     loaded into `backend`; returns the policies started."""
-    from rlproxy.storage.db import normalize_url
-    from rlproxy.trainer.offline import init_policies
+    from rlproxy.trainer.offline import init_policies  # lazy: torch
 
     assert settings.init_adapter is not None
     return await init_policies(
@@ -173,9 +166,6 @@ async def init_adapter(settings: Settings, backend: Backend, default_policy: str
 def canary_router(settings: Settings, policies: Policies, metrics: Metrics) -> Any:
     """The canary router's lifespan service (proxy/rollout.py), hooked into `policies` and `/metrics`;
     None when every policy is in immediate mode (routing exactly as without rollouts)."""
-    from rlproxy.proxy.rollout import RolloutService, Router
-    from rlproxy.storage.rollout_rule import parse_modes
-
     modes = parse_modes(settings.rollout)
     if "canary" not in modes.values():
         return None
@@ -222,9 +212,8 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     if settings.init_adapter:  # before the trainer: its first step continues the initial adapter
         services.append(InitAdapter(settings, backend, policies))
     if settings.train:
-        from rlproxy.storage.db import normalize_url
-        from rlproxy.trainer.rollout import controller_from
-        from rlproxy.trainer.service import TrainerService
+        from rlproxy.trainer.rollout import controller_from  # lazy: torch
+        from rlproxy.trainer.service import TrainerService  # lazy: torch
 
         controller = controller_from(settings)
 
@@ -235,7 +224,8 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
                 backend,
                 on_publish=policies.set_step,  # the swap: new requests go to the published adapter
                 on_train_state=gate.set_training,  # hold new requests while a step trains (if set)
-                judge=make_judge(settings, backend, metrics),  # judge rewards, before each selection
+                # judge rewards, before each selection
+                judge=make_judge(settings.group(JudgeSettings), backend, metrics),
                 rollouts=controller,  # canary rollouts (trainer/rollout.py); None: immediate
             )
         )
@@ -266,7 +256,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     api.include_router(routes_rollouts.router)  # GET /rollouts (canary panel) and its data (issue 28)
     api.include_router(routes_openai.passthrough)  # any other /v1/* path, relayed untouched
 
-    principals = Principals(settings.api_key, settings.admin_key, public=PUBLIC_PATHS)
+    principals = Principals(settings.api_key, settings.admin_key)
     if principals.open and not is_loopback(settings.host):
         logger.warning(
             "listening on %s without RLPROXY_API_KEY or RLPROXY_ADMIN_KEY: whoever reaches it can "
@@ -307,14 +297,6 @@ def build_readonly_app(settings: Settings) -> Limits:
     itself refuses writes on (`queries.open_readonly`). Any other path is 404, any other method
     405. The admin key, Host and Origin checks are `serve`'s (`Guard`).
     """
-    from contextlib import asynccontextmanager
-
-    from fastapi import FastAPI
-
-    from rlproxy.proxy import errors
-    from rlproxy.storage import queries
-    from rlproxy.storage.db import normalize_url
-
     db_url = normalize_url(settings.db_url)
     state = ProxyState(settings=settings, backend=None, policies=Policies(""), gate=TrainGate(False))  # type: ignore[arg-type]
 
@@ -347,7 +329,7 @@ def build_readonly_app(settings: Settings) -> Limits:
     # With an admin key every data route needs it (agents have no business here: their routes get
     # a key no one holds); without one everything is open, on loopback only unless allowed_hosts.
     agent_key = secrets.token_urlsafe(32) if settings.admin_key else None
-    principals = Principals(agent_key, settings.admin_key, public=PUBLIC_PATHS)
+    principals = Principals(agent_key, settings.admin_key)
     asgi = Limits(
         Guard(
             api,

@@ -1,32 +1,67 @@
 """The one settings object. Every field reads `RLPROXY_<NAME>`; CLI options override it.
 
-The README's configuration table is generated from this class (a test keeps them in sync).
+The fields are written in groups, one class per concern (server, security, limits, engine, upstream,
+hosted, store, runs, policies, training, trainer, judge, rollout: `GROUPS`), and `Settings` inherits
+them all, so every name stays flat (`settings.judge_model`, `RLPROXY_JUDGE_MODEL`) while a part that
+needs one concern is handed its group: `settings.group(JudgeSettings)` for the judge,
+`settings.group(TrainerConfig)` for the trainer (what is saved with every step).
+
+This module is below everything and imports nothing of ours at load time: the trainer's group lives
+here, and `trainer/config.py` builds its `TrainerConfig` on it (the trainer reads the settings, the
+settings never read the trainer). docs/configuration.md's tables are `settings_markdown()`, one per
+group (a test keeps them in sync).
+
+This file is over 400 lines because it is the one place every setting is written, with its units:
+each group is a short class, and splitting them into files would only scatter the one list.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rlproxy.trainer.config import TrainerConfig
+# The tracker names that `report_to` accepts (trainer/reporting.py sends to them), here because the
+# setting's validator needs them and the settings import nothing of the trainer's.
+TRACKERS: dict[str, str] = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+}  # name -> module
 
 
-class Settings(BaseSettings, TrainerConfig):
-    """rlproxy's configuration: server, backend, store, capture and (inherited) trainer fields."""
+def parse_report_to(value: str | None) -> list[str]:
+    """The tracker names of a comma list ("tensorboard,wandb"); ValueError for an unknown one."""
+    names = [n.strip().lower() for n in (value or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ValueError(f"unknown tracker(s) {unknown}; report_to takes {', '.join(TRACKERS)}")
+    return list(dict.fromkeys(names))
 
-    model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore")
 
-    # --- server ---
+class ServerSettings(BaseModel):
+    """Server: where the proxy and the dashboard listen."""
+
     host: str = Field("127.0.0.1", description="address the proxy listens on")
     port: int = Field(8000, ge=0, le=65535, description="port the proxy listens on (0 = any free port)")
+    dashboard_port: int = Field(
+        8100,
+        ge=0,
+        le=65535,
+        description="port `rlproxy dashboard` listens on (0 = any free port); `serve` has the dashboard "
+        "on its own port at `/`",
+    )
+
+
+class SecuritySettings(BaseModel):
+    """Security: keys, Host names and browser origins (docs/security.md)."""
+
     api_key: str | None = Field(
         None,
         description="agents' key: if set, the OpenAI routes, rewards and `GET /v1/runs/{id}` need "
         "`Authorization: Bearer <key>` (see Security)",
     )
-    # --- security ---
     admin_key: str | None = Field(
         None,
         description="operators' key: all runs, stats, training steps, /metrics, the dashboard's data; "
@@ -43,10 +78,14 @@ class Settings(BaseSettings, TrainerConfig):
     cors_origins: str = Field(
         "", description="comma list of browser origins (`https://app.example:8080`, `*`) allowed cross-origin"
     )
+
+
+class LimitsSettings(BaseModel):
+    """Limits: the HTTP layer's bounds: every route, before any handler (docs/security.md, Limits)."""
+
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="largest request body accepted on any route, bytes (413 above)"
     )
-    # --- limits (HTTP layer: every route, before any handler) ---
     max_reward_body_bytes: int = Field(
         64 * 1024, ge=1024, description="largest body of `POST /v1/runs/{id}/reward`, bytes (413 above)"
     )
@@ -76,19 +115,14 @@ class Settings(BaseSettings, TrainerConfig):
     sql_timeout: float = Field(
         30.0, gt=0, description="seconds a `rlproxy sql` statement may run before it is interrupted"
     )
-    # --- inference backend ---
+
+
+class EngineSettings(BaseModel):
+    """Engine: the inference backend behind the proxy (docs/engine.md)."""
+
     backend: Literal["embedded", "vllm"] = Field("embedded", description="inference server behind the proxy")
     model: str = Field(
         "smollm2-135m", description="built-in name (smollm2-135m, tiny) or a Hugging Face model folder"
-    )
-    upstream: str | None = Field(
-        None,
-        description="URL of a running OpenAI-compatible server to attach to; several (`--upstream` "
-        "repeated, or a comma list) are replicas of one model: runs stick to one, adapters go to all "
-        "(see Several inference upstreams)",
-    )
-    upstream_timeout: float = Field(
-        600.0, gt=0, description="seconds to wait for the upstream's answer (504 after)"
     )
     cache_dir: str = Field("~/.cache/rlproxy", description="where prepared built-in models are cached")
     engine_port: int = Field(
@@ -98,6 +132,19 @@ class Settings(BaseSettings, TrainerConfig):
         None, ge=1, description="torch threads of the embedded engine; None = default"
     )
     engine_max_batch: int = Field(16, ge=1, description="most sequences the embedded engine decodes together")
+    engine_prefix_cache_bytes: int = Field(
+        512 * 2**20,
+        ge=0,
+        description="bytes of KV the embedded engine keeps for prompts and completions it has seen (LRU, "
+        "per adapter), so a run's next call prefills only its new tokens; 0 = off",
+    )
+    engine_default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="completion tokens of a chat request that sets no max_tokens; None = 1024 on the "
+        "embedded engine and vLLM's own (the rest of the context) on a launched vLLM, which gets a set "
+        "value as `--override-generation-config`",
+    )
     vllm_python: str = Field(
         "python", description="python executable that has vLLM (e.g. .venv-vllm/bin/python)"
     )
@@ -106,7 +153,20 @@ class Settings(BaseSettings, TrainerConfig):
         300.0, gt=0, description="seconds to wait for a launched vLLM's /health"
     )
     max_lora_rank: int = Field(8, ge=1, description="largest LoRA rank the backend must accept")
-    # --- upstream client ---
+
+
+class UpstreamSettings(BaseModel):
+    """Upstream: the client of the upstream, and several upstreams (replicas)."""
+
+    upstream: str | None = Field(
+        None,
+        description="URL of a running OpenAI-compatible server to attach to; several (`--upstream` "
+        "repeated, or a comma list) are replicas of one model: runs stick to one, adapters go to all "
+        "(see Several inference upstreams)",
+    )
+    upstream_timeout: float = Field(
+        600.0, gt=0, description="seconds to wait for the upstream's answer (504 after)"
+    )
     upstream_idle_timeout: float = Field(
         60.0,
         gt=0,
@@ -116,7 +176,6 @@ class Settings(BaseSettings, TrainerConfig):
     upstream_max_connections: int = Field(
         256, ge=1, description="most open connections to the upstream (count); more requests wait for one"
     )
-    # --- several upstreams (replicas) ---
     upstream_affinity: Literal["least_loaded", "hash"] = Field(
         "least_loaded",
         description="how a new run picks its replica: `least_loaded` (fewest requests in flight, "
@@ -134,7 +193,47 @@ class Settings(BaseSettings, TrainerConfig):
         description="longest wait, seconds, between probes of an ejected replica (doubling from "
         "upstream_probe_interval)",
     )
-    # --- store ---
+
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _upstream_list(cls, value: object) -> object:
+        """A list of URLs (repeated `--upstream`) or a comma list -> one comma list; empty -> None."""
+        if isinstance(value, list | tuple):
+            value = ",".join(str(v) for v in value)
+        if isinstance(value, str):
+            value = ",".join(u.strip() for u in value.split(",") if u.strip()) or None
+        return value
+
+    @property
+    def upstream_urls(self) -> list[str]:
+        """The attached upstreams, one URL per replica (empty: none attached)."""
+        return self.upstream.split(",") if self.upstream else []
+
+
+class HostedSettings(BaseModel):
+    """Hosted: policies served by hosted, text-only upstreams (issue 25)."""
+
+    hosted_upstreams: str = Field(
+        "",
+        description="policies served by a hosted, text-only upstream: comma list `policy=URL` (e.g. "
+        "`teacher=https://api.openai.com/v1`); their requests go as the client wrote them (only `model` "
+        "mapped), rows are stored with token ids NULL and source `hosted` (SFT data, never GRPO samples)",
+    )
+    hosted_models: str = Field(
+        "",
+        description="model name each hosted upstream is asked for: comma list `policy=model` (e.g. "
+        "`teacher=gpt-4o-mini`); a policy not listed gets the client's `model` as written",
+    )
+    hosted_api_keys: str = Field(
+        "",
+        description="per hosted upstream, the environment variable holding its key: comma list "
+        "`policy=ENV_NAME`; a policy not listed sends `upstream_api_key`",
+    )
+
+
+class StoreSettings(BaseModel):
+    """Store: the database, the writer and capture durability."""
+
     db_url: str = Field(
         "sqlite+aiosqlite:///rlproxy.db", description="SQLAlchemy URL (or a SQLite file path)"
     )
@@ -144,7 +243,6 @@ class Settings(BaseSettings, TrainerConfig):
     write_queue_max: int = Field(
         10_000, ge=1, description="uncommitted completions after which new requests wait for the store"
     )
-    # --- capture durability ---
     write_queue_max_bytes: int = Field(
         256 * 1024 * 1024,
         ge=1,
@@ -170,10 +268,33 @@ class Settings(BaseSettings, TrainerConfig):
         ge=4096,
         description="largest crash journal, bytes (records past it are not journaled)",
     )
+
+
+class RunsSettings(BaseModel):
+    """Runs: runs and rewards across replicas (issue 22)."""
+
     run_expiry: float = Field(
         86400.0, gt=0, description="seconds after which an unrewarded open run is expired"
     )
-    # --- policies ---
+    run_state_poll_interval: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="seconds between two reads of the runs closed (rewarded) on any replica: a turn "
+        "for a closed run is refused (409 run_closed) at most this long after another replica's reward",
+    )
+    reward_bound: float = Field(
+        1e6,
+        gt=0,
+        le=1e12,
+        description="largest reward magnitude accepted: a reward outside [-bound, bound] is a 422 "
+        "(keeps a step's advantages finite)",
+    )
+
+
+class PolicySettings(BaseModel):
+    """Policies: which policy serves a request, and steps published elsewhere."""
+
     model_map: str = Field(
         "", description="comma list `name=policy` or `*=policy` for apps that hard-code a model"
     )
@@ -183,7 +304,11 @@ class Settings(BaseSettings, TrainerConfig):
         description="seconds between two looks for steps published by another process (the trainer "
         "of another replica, `rlproxy train`): its adapter is loaded here, then served",
     )
-    # --- trainer (plus the inherited TrainerConfig fields) ---
+
+
+class TrainingSettings(BaseModel):
+    """Training: where and how the trainer runs (not saved with steps)."""
+
     train: bool = Field(True, description="run the trainer inside `serve`")
     blocking_train: bool = Field(
         False, description="hold new requests while a step trains (single-GPU memory)"
@@ -200,7 +325,156 @@ class Settings(BaseSettings, TrainerConfig):
         description="`rlproxy train`: ranks on this machine, one step's groups split across them "
         "(torch.distributed.run; NCCL on CUDA, one GPU each, else gloo); 0 = one process, no launcher",
     )
-    # --- judge rewards (trainer/judge.py; README: Judge rewards) ---
+
+
+class TrainerSettings(BaseModel):
+    """Trainer: what a GRPO step needs, saved with every step and checkpoint (trainer/config.py)."""
+
+    # which runs make a step
+    group_size: int = Field(4, ge=2, description="completed runs that make a group ready")
+    groups_per_step: int = Field(1, ge=1, description="ready groups taken by one optimizer step")
+    group_timeout: float = Field(
+        600.0, gt=0, description="seconds after a group's newest run when it is ready with >= 2 runs"
+    )
+    # live traffic: runs still alone in their group group_timeout after their reward (status `ungrouped`)
+    singletons: Literal["ungrouped", "train"] = Field(
+        "ungrouped",
+        description="runs alone in their group past group_timeout become status `ungrouped`; train = "
+        "then train them in batches, each run's advantage against its batch's mean reward (REINFORCE++)",
+    )
+    singleton_batch: int = Field(
+        16,
+        ge=2,
+        description="ungrouped runs of one policy per step with singletons=train (>= 2 are taken once the "
+        "newest has waited another group_timeout)",
+    )
+    # advantages and loss
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field("grpo", description="policy-gradient loss")
+    scale_rewards: Literal["group", "none"] = Field(
+        "group", description="divide advantages by the group's reward std (group) or not (none)"
+    )
+    epsilon: float | None = Field(
+        None,
+        ge=0,
+        description="lower clip range of the importance ratio; None = the loss's default "
+        "(0.2; gspo 3e-4, its sequence ratio moves far less than a token's)",
+    )
+    epsilon_high: float | None = Field(
+        None,
+        ge=0,
+        description="upper clip range; None = epsilon when it is set, else the loss's default "
+        "(0.2; dapo 0.28 clip-higher; gspo 4e-4)",
+    )
+    ratio_cap: float | None = Field(
+        3.0,
+        gt=1,
+        description="dual-clip bound C: a negative-advantage token's loss stops growing at ratio C "
+        "(stale or mismatched samples cannot take C x the gradient); None = off",
+    )
+    max_policy_lag: int | None = Field(
+        8,
+        ge=0,
+        description="samples drawn more than this many adapter steps ago are not trained on (counted "
+        "batch/stale; a step left with none marks its runs skipped); None = no limit",
+    )
+    sampling_logprobs: Literal["raw", "processed"] = Field(
+        "raw",
+        description="what the backend's stored logprobs are: raw = log_softmax(logits), vLLM's default "
+        "and the embedded engine's; processed = after temperature (vLLM --logprobs-mode processed_logprobs)",
+    )
+    overlong_filter: bool = Field(
+        False, description="leave out samples cut by max_tokens or max_seq_len (DAPO's overlong filtering)"
+    )
+    beta: float = Field(
+        0.0, ge=0, description="KL penalty weight against the base model; 0 = no KL, no ref pass"
+    )
+    max_seq_len: int = Field(
+        2048, ge=16, description="tokens per sample; longer samples are truncated and counted"
+    )
+    # LoRA and optimizer
+    lora_r: int = Field(8, ge=1, description="LoRA rank")
+    lora_alpha: int = Field(16, ge=1, description="LoRA alpha (scale = alpha / r)")
+    lora_dropout: float = Field(
+        0.0, ge=0, lt=1, description="LoRA dropout (the base model's dropout is always off while training)"
+    )
+    lora_target_modules: list[str] = Field(
+        default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="module names that get LoRA weights",
+    )
+    learning_rate: float | None = Field(
+        None,
+        gt=0,
+        description="AdamW learning rate; None = by model size, 1e-3 x (576 / hidden_size) ** 0.75: 1e-3 for "
+        "SmolLM2-135M, 3.9e-4 for Qwen2.5-3B (see README, Training)",
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient-norm clip")
+    micro_batch_size: int = Field(8, ge=1, description="rows (segments) per forward/backward at most")
+    micro_batch_tokens: int | None = Field(
+        1024,  # directory shape, SmolLM2-135M fp32: peak RSS 2.9 GB at 1024, 4.7 GB at 2048 (bench)
+        ge=16,
+        description="padded token positions per forward/backward at most (rows x longest row; a longer "
+        "row runs alone): bounds activation memory; None = micro_batch_size alone",
+    )
+    merge_calls: bool = Field(
+        True,
+        description="merge a run's calls token-exactly into segments (a call whose prompt extends the "
+        "previous prompt + sampled ids is appended); false = one sample per call (docs/training-segments.md)",
+    )
+    loss_weighting: Literal["run", "per_call"] = Field(
+        "run",
+        description="what a loss's 'sequence' is: run = one trajectory (GRPO's o_i), per_call = each call "
+        "(the behaviour before merged segments)",
+    )
+    completion_budget: int | None = Field(
+        None,
+        ge=1,
+        description="dr_grpo's constant normalizer, in sampled tokens per run; None = the step's largest "
+        "sum of a run's requested max_tokens (loss_weighting=per_call: max_seq_len)",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in backward: less memory, slower (prompts not shared)"
+    )
+    seed: int = Field(0, description="torch seed of the trainer")
+    # checkpoints and publishing
+    checkpoint_dir: str = Field("checkpoints", description="folder holding {policy}/step-NNNN/ checkpoints")
+    keep_checkpoints: int = Field(
+        3, ge=1, description="newest checkpoints kept on disk (and adapters served)"
+    )
+    keep_best: bool = Field(
+        True,
+        description="also keep the checkpoint whose adapter scored the best mean reward on validation runs "
+        "(X-Split: val; the `validation` view), however old",
+    )
+    val_min_runs: int = Field(
+        1, ge=1, description="validation runs an adapter step needs before it can be the best checkpoint"
+    )
+    unload_grace: float = Field(
+        30.0, ge=0, description="seconds an old adapter stays loaded after a newer one"
+    )
+    poll_interval: float = Field(1.0, gt=0, description="seconds between looks for ready groups")
+    train_threads: int | None = Field(
+        None, ge=1, description="torch threads for training; None = torch's default"
+    )
+    # where each step's metrics also go (training_steps always has them); see trainer/reporting.py
+    report_to: str = Field(
+        "",
+        description="comma list of trackers that also get each step's metrics: tensorboard, wandb, mlflow "
+        "(pip install 'rlproxy[tensorboard]', ...); empty = the database only",
+    )
+    metrics_log_dir: str = Field(
+        "logs", description="folder of TensorBoard event files ({dir}/{policy}/) and W&B's local files"
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _known_trackers(cls, value: str) -> str:
+        return ",".join(parse_report_to(value))
+
+
+class JudgeSettings(BaseModel):
+    """Judge: judge rewards (trainer/judge.py; docs: Judge rewards)."""
+
     judge: Literal["off", "missing", "always"] = Field(
         "missing",
         description="which groups an LLM judge scores: missing = groups holding a run completed without "
@@ -239,22 +513,11 @@ class Settings(BaseSettings, TrainerConfig):
     judge_max_chars: int = Field(
         4000, ge=200, description="characters of each trajectory shown to the judge (the end is kept)"
     )
-    # --- embedded engine: prefix cache, completion cap (issues 21, 22; docs/engine.md) ---
-    engine_prefix_cache_bytes: int = Field(
-        512 * 2**20,
-        ge=0,
-        description="bytes of KV the embedded engine keeps for prompts and completions it has seen (LRU, "
-        "per adapter), so a run's next call prefills only its new tokens; 0 = off",
-    )
-    engine_default_max_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="completion tokens of a chat request that sets no max_tokens; None = 1024 on the "
-        "embedded engine and vLLM's own (the rest of the context) on a launched vLLM, which gets a set "
-        "value as `--override-generation-config`",
-    )
 
-    # --- rollout (issue 28; docs/rollout.md) ---
+
+class RolloutSettings(BaseModel):
+    """Rollout: how a new step goes live (issue 28; docs/rollout.md)."""
+
     rollout: str = Field(
         "immediate",
         description="how a new step goes live: immediate (every run at once) or canary (a share of new "
@@ -286,76 +549,76 @@ class Settings(BaseSettings, TrainerConfig):
     @field_validator("rollout")
     @classmethod
     def _rollout_modes(cls, value: str) -> str:
+        # at validation only: storage sits above the settings, which import nothing of ours at load
         from rlproxy.storage.rollout_rule import parse_modes
 
         parse_modes(value)  # a ValueError names the bad entry
         return value
 
-    # --- tenancy (issue 22) ---
-    run_state_poll_interval: float = Field(
-        1.0,
-        gt=0,
-        le=60,
-        description="seconds between two reads of the runs closed (rewarded) on any replica: a turn "
-        "for a closed run is refused (409 run_closed) at most this long after another replica's reward",
-    )
-    reward_bound: float = Field(
-        1e6,
-        gt=0,
-        le=1e12,
-        description="largest reward magnitude accepted: a reward outside [-bound, bound] is a 422 "
-        "(keeps a step's advantages finite)",
-    )
 
-    # --- hosted upstreams (issue 25) ---
-    hosted_upstreams: str = Field(
-        "",
-        description="policies served by a hosted, text-only upstream: comma list `policy=URL` (e.g. "
-        "`teacher=https://api.openai.com/v1`); their requests go as the client wrote them (only `model` "
-        "mapped), rows are stored with token ids NULL and source `hosted` (SFT data, never GRPO samples)",
-    )
-    hosted_models: str = Field(
-        "",
-        description="model name each hosted upstream is asked for: comma list `policy=model` (e.g. "
-        "`teacher=gpt-4o-mini`); a policy not listed gets the client's `model` as written",
-    )
-    hosted_api_keys: str = Field(
-        "",
-        description="per hosted upstream, the environment variable holding its key: comma list "
-        "`policy=ENV_NAME`; a policy not listed sends `upstream_api_key`",
-    )
+# (section, group) in the docs' order; `Settings` inherits them all.
+GROUPS: tuple[tuple[str, type[BaseModel]], ...] = (
+    ("server", ServerSettings),
+    ("security", SecuritySettings),
+    ("limits", LimitsSettings),
+    ("engine", EngineSettings),
+    ("upstream", UpstreamSettings),
+    ("hosted", HostedSettings),
+    ("store", StoreSettings),
+    ("runs", RunsSettings),
+    ("policies", PolicySettings),
+    ("training", TrainingSettings),
+    ("trainer", TrainerSettings),
+    ("judge", JudgeSettings),
+    ("rollout", RolloutSettings),
+)
 
-    # --- a newcomer's first hour (issue 26) ---
-    dashboard_port: int = Field(
-        8100,
-        ge=0,
-        le=65535,
-        description="port `rlproxy dashboard` listens on (0 = any free port); `serve` has the dashboard "
-        "on its own port at `/`",
-    )
+Group = TypeVar("Group", bound=BaseModel)
 
-    @field_validator("upstream", mode="before")
-    @classmethod
-    def _upstream_list(cls, value: object) -> object:
-        """A list of URLs (repeated `--upstream`) or a comma list -> one comma list; empty -> None."""
-        if isinstance(value, list | tuple):
-            value = ",".join(str(v) for v in value)
-        if isinstance(value, str):
-            value = ",".join(u.strip() for u in value.split(",") if u.strip()) or None
-        return value
 
-    @property
-    def upstream_urls(self) -> list[str]:
-        """The attached upstreams, one URL per replica (empty: none attached)."""
-        return self.upstream.split(",") if self.upstream else []
+class Settings(
+    RolloutSettings,
+    JudgeSettings,
+    TrainerSettings,
+    TrainingSettings,
+    PolicySettings,
+    RunsSettings,
+    StoreSettings,
+    HostedSettings,
+    UpstreamSettings,
+    EngineSettings,
+    LimitsSettings,
+    SecuritySettings,
+    ServerSettings,
+    BaseSettings,
+):
+    """rlproxy's configuration: every group's fields, flat (bases listed last group first, so that
+    pydantic, which collects the fields of the last base first, keeps the docs' order)."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore")
+
+    def group(self, cls: type[Group]) -> Group:
+        """The fields of one group (or of a class built on one, like `TrainerConfig`) as that class."""
+        return cls(**self.model_dump(include=set(cls.model_fields)))
 
 
 def settings_markdown() -> str:
-    """The README's configuration table, generated from `Settings` (a test keeps the README in sync)."""
-    rows = ["| setting | environment variable | default | what it does |", "|---|---|---|---|"]
-    for name, field in Settings.model_fields.items():
-        default = field.default if field.default_factory is None else field.default_factory()
-        default_text = ", ".join(default) if isinstance(default, list) else default
-        description = (field.description or "").replace("|", "\\|")
-        rows.append(f"| `{name}` | `RLPROXY_{name.upper()}` | `{default_text}` | {description} |")
-    return "\n".join(rows)
+    """docs/configuration.md's tables, one per group, generated from the settings (a test keeps them)."""
+    parts = []
+    for section, cls in GROUPS:
+        what = (cls.__doc__ or "").split(": ", 1)[-1].strip()
+        rows = [
+            f"### {section}",
+            "",
+            what[:1].upper() + what[1:],
+            "",
+            "| setting | environment variable | default | what it does |",
+            "|---|---|---|---|",
+        ]
+        for name, field in cls.model_fields.items():
+            default = field.default if field.default_factory is None else field.default_factory()
+            default_text = ", ".join(default) if isinstance(default, list) else default
+            description = (field.description or "").replace("|", "\\|")
+            rows.append(f"| `{name}` | `RLPROXY_{name.upper()}` | `{default_text}` | {description} |")
+        parts.append("\n".join(rows))
+    return "\n\n".join(parts)

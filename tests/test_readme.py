@@ -32,6 +32,7 @@ from proxy.proxy_helpers import ProxyServer
 from readme_blocks import Block, blocks, cli_lines
 from support import require
 
+from rlproxy.proxy.rules import rules_markdown
 from rlproxy.settings import Settings, settings_markdown
 from tests.storage.test_readme_queries import QUERIES
 
@@ -396,14 +397,26 @@ CONFIGURATION = ROOT / "docs" / "configuration.md"  # the settings table's page
 DATA = ROOT / "docs" / "data.md"  # the "Query your trajectories" section's page
 
 
-def test_configuration_table_is_generated_from_settings() -> None:
-    text = CONFIGURATION.read_text()
-    table = re.search(r"<!-- settings:start -->\n(.*?)\n<!-- settings:end -->", text, re.S)
-    assert table, "docs/configuration.md lost its settings markers"
-    assert table.group(1).strip() == settings_markdown().strip(), (
-        "docs/configuration.md's table is stale: paste the output of "
-        "`python -c 'from rlproxy.settings import settings_markdown; print(settings_markdown())'`"
+def _generated(page: Path, marker: str, want: str, command: str) -> None:
+    """`page` holds `want` between its `<!-- marker:start -->` and `<!-- marker:end -->` lines."""
+    table = re.search(rf"<!-- {marker}:start -->\n(.*?)\n<!-- {marker}:end -->", page.read_text(), re.S)
+    assert table, f"docs/{page.name} lost its {marker} markers"
+    assert table.group(1).strip() == want.strip(), (
+        f"docs/{page.name}'s {marker} table is stale: paste the output of `python -c '{command}'`"
     )
+
+
+def test_configuration_table_is_generated_from_settings() -> None:
+    command = "from rlproxy.settings import settings_markdown; print(settings_markdown())"
+    _generated(CONFIGURATION, "settings", settings_markdown(), command)
+
+
+SECURITY = ROOT / "docs" / "security.md"  # the route rules' table's page
+
+
+def test_route_rules_table_is_generated_from_the_rules() -> None:
+    command = "from rlproxy.proxy.rules import rules_markdown; print(rules_markdown())"
+    _generated(SECURITY, "rules", rules_markdown(), command)
 
 
 def test_readme_queries_are_the_tested_queries() -> None:

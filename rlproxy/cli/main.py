@@ -6,6 +6,10 @@ environment variable and default are the field's, the same as the README's table
 (`options.CleanErrors`); `rlproxy --debug ...` shows the traceback instead. The long commands run
 `processes.py` (which builds through `rlproxy/compose.py`); queries are in `rlproxy/storage/`;
 output formats in `output.py`. Nothing imports this package: it is the entrance.
+
+(Over 400 lines: typer reads each command's options from its function's signature, so a command's
+options, checks and output stay in one function, and the commands share the option types above;
+`rollout.py` shows the cut to make next (the read commands: runs, steps, sql, export).)
 """
 
 from __future__ import annotations
@@ -18,9 +22,22 @@ from typing import Annotated, Any, Literal
 
 import typer
 
+from rlproxy.cli import output as cli_output
 from rlproxy.cli.options import ENV_NOTE, CleanErrors, field_default, setting, settings_flags
+from rlproxy.cli.output import print_table, run_lines, safe
+from rlproxy.inference.models import make_tiny, resolve_model
+from rlproxy.logsetup import quiet_third_party
 from rlproxy.settings import Settings
+from rlproxy.storage import db as dbm
+from rlproxy.storage import export as exporter
+from rlproxy.storage import queries
+from rlproxy.storage import untagged as untagged_store
+from rlproxy.storage.db import normalize_url, sqlite_path
 from rlproxy.storage.models import RunStatus
+
+# Imported where they are used, not here: `processes` (FastAPI, uvicorn and the composition root,
+# ~1 s), the embedded engine (torch), the demo and the guard's web stack. `rlproxy --help` and the
+# read commands (runs, steps, sql) then start without them.
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +81,20 @@ def main(
 DbOpt = Annotated[str, setting("db_url", "--db", help="database URL or SQLite file path", metavar="URL")]
 LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="rows to show (1-1000)")]
 InitOpt = Annotated[str | None, setting("init_adapter", "--init-adapter", metavar="DIR")]
+# `train` and `sft` load adapters into a server on the base model the server serves
+BaseModelOpt = Annotated[str, setting("model", help="the base model (same weights as the server's)")]
+CheckpointDirOpt = Annotated[str, setting("checkpoint_dir", metavar="DIR")]
+
+
+def upstream_opt(help: str) -> Any:
+    """The `--upstream URL` option (repeatable: replicas), with what this command does with it."""
+    return Annotated[list[str] | None, setting("upstream", metavar="URL", help=help)]
 
 
 def make_settings(**options: Any) -> Settings:
     """Settings from RLPROXY_* variables, overridden by the options that were given (not None)."""
     given = {k: v for k, v in options.items() if v is not None}
     if "db_url" in given:
-        from rlproxy.storage.db import normalize_url
-
         given["db_url"] = normalize_url(given["db_url"])
     from pydantic import ValidationError
 
@@ -97,8 +120,6 @@ def _run(coro) -> None:
 def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per adapter/health call is noise
-    from rlproxy.logsetup import quiet_third_party
-
     quiet_third_party(level)  # Alembic INFO, progress bars, FutureWarnings: at WARNING or off
 
 
@@ -175,8 +196,6 @@ def _port_free(host: str, port: int) -> None:
 
 def _existing_db(url: str) -> None:
     """`sft` and `fork` write into a store that must exist: a typo must not start an empty one."""
-    from rlproxy.storage.db import normalize_url, sqlite_path
-
     path = sqlite_path(normalize_url(url)) if normalize_url(url).startswith("sqlite") else None
     if path is not None and not Path(path).exists():
         raise typer.BadParameter(
@@ -186,7 +205,7 @@ def _existing_db(url: str) -> None:
 
 
 def _serve(settings: Settings, access_log: bool, log_level: str, readonly: bool = False) -> None:
-    from rlproxy.cli import processes
+    from rlproxy.cli import processes  # lazy: the web stack and the composition root
 
     _port_free(settings.host, settings.port)
 
@@ -222,8 +241,8 @@ def engine(
     ] = None,
 ) -> None:
     """Serve the embedded engine alone (an OpenAI-compatible server with vLLM's adapter routes)."""
-    from rlproxy.inference.embedded import DEFAULT_MAX_TOKENS, run_engine
-    from rlproxy.proxy import server as http_server
+    from rlproxy.inference.embedded import DEFAULT_MAX_TOKENS, run_engine  # lazy: torch
+    from rlproxy.proxy import server as http_server  # lazy: uvicorn
 
     settings = make_settings(model=model, engine_threads=threads, api_key=api_key, host=host, port=port)
     _logging("info")
@@ -244,17 +263,10 @@ def engine(
 @settings_flags(skip=("host", "port", "api_key", "admin_key", "train", "blocking_train", "backend"))
 def train(
     db: DbOpt = field_default("db_url"),
-    upstream: Annotated[
-        list[str] | None,
-        setting(
-            "upstream",
-            metavar="URL",
-            help="the inference server to publish adapters to (repeat for several replicas: each gets them)",
-        ),
-    ] = None,
-    model: Annotated[
-        str, setting("model", help="the base model (same weights as the server's)")
-    ] = field_default("model"),
+    upstream: upstream_opt(
+        "the inference server to publish adapters to (repeat for several replicas: each gets them)"
+    ) = None,
+    model: BaseModelOpt = field_default("model"),
     group_size: Annotated[int, setting("group_size", min=1)] = field_default("group_size"),
     groups_per_step: Annotated[int, setting("groups_per_step", min=1)] = field_default("groups_per_step"),
     nproc: Annotated[int, setting("nproc", min=0)] = field_default("nproc"),
@@ -275,7 +287,7 @@ def train(
     if not settings.upstream:
         raise typer.BadParameter("--upstream (or RLPROXY_UPSTREAM) is required: the server to publish to")
     _logging("info")
-    from rlproxy.cli.processes import launch_trainer, run_trainer
+    from rlproxy.cli.processes import launch_trainer, run_trainer  # lazy: as processes
 
     if settings.nproc:
         launch_trainer(settings)  # torchrun's agent in this process; the ranks run processes.train_worker
@@ -350,23 +362,12 @@ def sft(
     batch_size: Annotated[int, typer.Option(min=1, help="examples per optimizer step")] = 16,
     learning_rate: Annotated[float | None, setting("learning_rate", min=0)] = None,
     db: DbOpt = field_default("db_url"),
-    upstream: Annotated[
-        list[str] | None,
-        setting(
-            "upstream",
-            metavar="URL",
-            help="also load the new adapter into this server (else serve's poll does)",
-        ),
-    ] = None,
-    model: Annotated[
-        str, setting("model", help="the base model (same weights as the server's)")
-    ] = field_default("model"),
-    checkpoint_dir: Annotated[str, setting("checkpoint_dir", metavar="DIR")] = field_default(
-        "checkpoint_dir"
-    ),
+    upstream: upstream_opt("also load the new adapter into this server (else serve's poll does)") = None,
+    model: BaseModelOpt = field_default("model"),
+    checkpoint_dir: CheckpointDirOpt = field_default("checkpoint_dir"),
 ) -> None:
     """Supervised fine-tuning from stored runs (exact tokens) or a chat file, published as the next step."""
-    from rlproxy.cli import processes
+    from rlproxy.cli import processes  # lazy: the web stack and the composition root
 
     if from_policy is None and (where is None) == (file is None):
         raise typer.BadParameter("give one of --where (SQL over trajectories) and --file (chat JSONL)")
@@ -430,12 +431,10 @@ def fork(
     source: Annotated[str, typer.Argument(metavar="POLICY@N", help="the step to start from")],
     new_policy: Annotated[str, typer.Argument(metavar="NEW_POLICY", help="the new policy's name")],
     db: DbOpt = field_default("db_url"),
-    checkpoint_dir: Annotated[str, setting("checkpoint_dir", metavar="DIR")] = field_default(
-        "checkpoint_dir"
-    ),
+    checkpoint_dir: CheckpointDirOpt = field_default("checkpoint_dir"),
 ) -> None:
     """Start a new policy from a step: NEW_POLICY@1 is POLICY@N (adapter and optimizer state)."""
-    from rlproxy.cli import processes
+    from rlproxy.cli import processes  # lazy: the web stack and the composition root
 
     settings = make_settings(db_url=db, checkpoint_dir=checkpoint_dir)
     _existing_db(settings.db_url)
@@ -445,8 +444,6 @@ def fork(
 
 def _read(db: str, fn: Any, *, check: bool = True, timeout: float | None = None) -> Any:
     """`await fn(engine)` on a read-only engine on the store `db` (checked to be rlproxy's)."""
-    from rlproxy.storage import queries
-
     url = make_settings(db_url=db).db_url
 
     async def go() -> Any:
@@ -477,10 +474,6 @@ def runs(
     """A table of recent runs, newest first (`rlproxy runs show ID`: one run in full)."""
     if ctx.invoked_subcommand is not None:
         return
-    from rlproxy.cli.output import print_table
-    from rlproxy.storage import queries
-    from rlproxy.storage import untagged as untagged_store
-
     if untagged:
         if status is not None:
             raise typer.BadParameter(
@@ -521,9 +514,6 @@ def runs_show(
     json_out: Annotated[bool, typer.Option("--json", help="the run as one JSON object")] = False,
 ) -> None:
     """One run in full: its conversation, tool calls, token counts per completion, reward, status."""
-    from rlproxy.cli.output import run_lines, safe
-    from rlproxy.storage import queries
-
     run = _read(db, lambda e: queries.get_run(e, run_id))
     if run is None:
         typer.echo(f"error: no run {run_id!r} in this database (`rlproxy runs` lists them)", err=True)
@@ -546,9 +536,6 @@ def steps(
 ) -> None:
     """The newest training steps: reward mean ± std, validation reward (best: the checkpoint kept for it),
     loss, KL, clip fractions, grad norm, lag, tokens/s."""
-    from rlproxy.cli import output as cli_output
-    from rlproxy.storage import queries
-
     rows = _read(db, lambda e: queries.step_table(e, policy=policy, limit=limit))
     if json_out:
         cols = list(rows[0]) if rows else []
@@ -590,9 +577,6 @@ def sql(
 
     Tables cut cells at 60 characters (--wide, -x: never); numbers print as sqlite3 prints them.
     """
-    from rlproxy.cli import output as cli_output
-    from rlproxy.storage import queries
-
     if sum((json_lines, csv_out, vertical, wide)) > 1:
         raise typer.BadParameter("pick one of --json, --csv, --vertical, --wide")
     text = _query_text(query, file)
@@ -630,8 +614,6 @@ def export(
     """Write runs as training data: OpenAI chat messages, reward, token ids and logprobs per call."""
     import shutil
 
-    from rlproxy.storage import export as exporter
-
     if out.exists() and not force:
         raise typer.BadParameter(f"{out} exists (--force replaces it)", param_hint="--out")
     if out.exists() and out.is_dir() and fmt == "hf":
@@ -652,7 +634,7 @@ def dashboard(
     log_level: Annotated[LogLevel, typer.Option(help="log level")] = "warning",
 ) -> None:
     """The dashboard alone, read-only on a database: no model, no trainer, no OpenAI routes."""
-    from rlproxy.proxy.guard import is_loopback
+    from rlproxy.proxy.guard import is_loopback  # lazy: starlette
 
     settings = make_settings(db_url=db, host=host, port=port, admin_key=admin_key, train=False)
     if not is_loopback(settings.host) and not settings.admin_key:
@@ -701,13 +683,13 @@ def demo(
     ] = False,
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
-    from rlproxy.demo.run import TASKS, run_demo
+    from rlproxy.demo.run import TASKS, run_demo  # lazy: the demo and its clients
 
     _logging("warning")
     if teacher:
         if task != "directory":
             raise typer.BadParameter("--teacher runs the directory task: add --task directory")
-        from rlproxy.demo.distill import run_distill_demo
+        from rlproxy.demo.distill import run_distill_demo  # lazy: as the demo
 
         run_distill_demo(
             minutes=minutes, model=model, out_dir=out_dir, fast=fast, seed=seed, group_size=group_size,
@@ -736,8 +718,6 @@ def demo(
 @db_app.command("upgrade", epilog=ENV_NOTE)
 def db_upgrade(db: DbOpt = field_default("db_url")) -> None:
     """Apply the Alembic migrations up to head (creates the database if there is none)."""
-    from rlproxy.storage import db as dbm
-
     url = make_settings(db_url=db).db_url
     dbm.upgrade(url)
     typer.echo(f"database at head: {url}")
@@ -749,8 +729,6 @@ def models_prepare(
     cache_dir: Annotated[str, setting("cache_dir")] = field_default("cache_dir"),
 ) -> None:
     """Prepare a built-in model into the cache (offline)."""
-    from rlproxy.inference.models import resolve_model
-
     typer.echo(resolve_model(name, cache_dir=cache_dir))
 
 
@@ -759,8 +737,6 @@ def models_make_tiny(
     out_dir: Annotated[Path, typer.Argument(help="folder to write the tiny model to")],
 ) -> None:
     """Write the small random `tiny` model (for tests) to OUT_DIR."""
-    from rlproxy.inference.models import make_tiny
-
     typer.echo(str(make_tiny(out_dir)))
 
 

@@ -17,24 +17,32 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+
 from rlproxy.compose import build_app, build_readonly_app, init_adapter, make_judge, trainer_config
-from rlproxy.settings import Settings
+from rlproxy.errors import TrainerError
+from rlproxy.inference.models import resolve_model
+from rlproxy.inference.vllm import VLLMBackend
+from rlproxy.logsetup import quiet_third_party
+from rlproxy.proxy import server as http_server
+from rlproxy.settings import JudgeSettings, Settings
+from rlproxy.storage import db
 
 logger = logging.getLogger(__name__)
+
+# The embedded engine and the trainer's modules load torch (seconds, and memory): they are imported
+# where they are built (`# lazy: torch`), so a process that needs neither never loads it.
 
 
 async def run_sft(settings: Settings, policy: str, **options: Any) -> dict[str, Any]:
     """What `rlproxy sft` runs: one SFT step of `policy` (trainer/offline.py), loaded into
     `settings.upstream` when given (a running `serve` on the store picks it up either way)."""
-    from rlproxy.storage import db
-    from rlproxy.trainer.offline import run_sft as sft_step
+    from rlproxy.trainer.offline import run_sft as sft_step  # lazy: torch
 
     url = db.normalize_url(settings.db_url)
     await db.upgrade_async(url)
     backend = None
     if settings.upstream:
-        from rlproxy.inference.vllm import VLLMBackend
-
         backend = VLLMBackend(
             settings.model,
             cache_dir=Path(settings.cache_dir).expanduser(),
@@ -43,8 +51,6 @@ async def run_sft(settings: Settings, policy: str, **options: Any) -> dict[str, 
         )
         await backend.start()
     try:
-        from rlproxy.inference.models import resolve_model
-
         model_path = (
             backend.model_path
             if backend is not None
@@ -67,8 +73,7 @@ async def run_sft(settings: Settings, policy: str, **options: Any) -> dict[str, 
 
 async def fork(settings: Settings, source: str, new_policy: str) -> Any:
     """What `rlproxy fork POLICY@N NEW` runs (trainer/offline.py); a running `serve` loads it by polling."""
-    from rlproxy.storage import db
-    from rlproxy.trainer.offline import fork_policy
+    from rlproxy.trainer.offline import fork_policy  # lazy: torch
 
     url = db.normalize_url(settings.db_url)
     await db.upgrade_async(url)
@@ -98,10 +103,6 @@ async def serve(
     `on_ready(base)` is called once it listens (`base`: http://host:port, loopback when bound to
     every address). Returns False when it never started (the lifespan failed; the log says why).
     """
-    import uvicorn
-
-    from rlproxy.proxy import server as http_server
-
     _raise_open_files(settings.max_connections + 256)  # each connection is a file descriptor
     application = build_readonly_app(settings) if readonly else build_app(settings)
     config = http_server.config(application, settings, access_log=access_log, log_level=log_level)
@@ -125,10 +126,8 @@ async def run_trainer(settings: Settings, ranks: Any = None) -> None:
     """
     import signal
 
-    from rlproxy.inference.vllm import VLLMBackend
-    from rlproxy.storage import db
-    from rlproxy.trainer.rollout import controller_from
-    from rlproxy.trainer.service import TrainerService
+    from rlproxy.trainer.rollout import controller_from  # lazy: torch
+    from rlproxy.trainer.service import TrainerService  # lazy: torch
 
     url = db.normalize_url(settings.db_url)
     await db.upgrade_async(url)
@@ -142,7 +141,7 @@ async def run_trainer(settings: Settings, ranks: Any = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    from rlproxy.trainer.distributed import Leader
+    from rlproxy.trainer.distributed import Leader  # lazy: torch
 
     leader = Leader(ranks) if ranks is not None else None
     try:
@@ -155,7 +154,7 @@ async def run_trainer(settings: Settings, ranks: Any = None) -> None:
             trainer_config(settings),
             url,
             backend,
-            judge=make_judge(settings, backend),
+            judge=make_judge(settings.group(JudgeSettings), backend),
             train_fn=leader.train_step if leader is not None else None,
             rollouts=controller_from(settings),  # canary rollouts are judged where the trainer runs
         )
@@ -190,8 +189,6 @@ def launch_trainer(settings: Settings) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
-
-    from rlproxy.errors import TrainerError
 
     os.environ[TRAIN_JOB_ENV] = settings.model_dump_json()
     args = parse_args(
@@ -229,8 +226,7 @@ def train_worker() -> None:
     import logging as logging_
     import os
 
-    from rlproxy.logsetup import quiet_third_party
-    from rlproxy.trainer import distributed
+    from rlproxy.trainer import distributed  # lazy: torch
 
     settings = Settings.model_validate_json(os.environ[TRAIN_JOB_ENV])
     rank = os.environ.get("RANK", "?")

@@ -18,6 +18,10 @@ import typer
 from rlproxy.cli.main import DbOpt, make_settings
 from rlproxy.cli.main import app as main_app
 from rlproxy.cli.options import ENV_NOTE, field_default
+from rlproxy.cli.output import print_table
+from rlproxy.storage import db as dbm
+from rlproxy.storage import queries
+from rlproxy.storage import rollouts as store
 
 app = typer.Typer(help="Canary rollouts: status, promote or roll back by hand.", no_args_is_help=True)
 main_app.add_typer(app, name="rollout")
@@ -44,9 +48,6 @@ COLUMNS = (
 
 
 async def _with_engine(db: str, fn: Any, *, readonly: bool) -> Any:
-    from rlproxy.storage import db as dbm
-    from rlproxy.storage import queries
-
     url = make_settings(db_url=db).db_url
     engine = await queries.open_readonly(url) if readonly else dbm.create_engine(url)
     try:
@@ -62,8 +63,6 @@ def status(
     limit: Annotated[int, typer.Option(min=1, max=1000, help="rows to show (1-1000)")] = 10,
 ) -> None:
     """The newest rollouts, newest first; an open one also with its arms' live runs and reward."""
-    from rlproxy.cli.output import print_table
-    from rlproxy.storage import rollouts as store
 
     async def go(engine: Any) -> tuple[list[dict[str, Any]], dict[int, dict[str, tuple[int, float]]]]:
         found = await store.list_rollouts(engine, policy, limit)
@@ -87,8 +86,6 @@ def _arm(runs: list[Any]) -> tuple[int, float]:
 
 
 def _decide(db: str, policy: str | None, decision: str, reason: str) -> None:
-    from rlproxy.storage import rollouts as store
-
     async def go(engine: Any) -> tuple[dict[str, Any] | None, bool, list[dict[str, Any]]]:
         opened = [r for r in await store.open_rollouts(engine) if policy is None or r["policy"] == policy]
         if len(opened) != 1:

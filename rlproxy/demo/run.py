@@ -17,6 +17,10 @@ A demo row is one group: sample it with the current policy, then one trainer ste
 trainer's `training_steps.step`; none when the group's rewards were all equal and it was skipped).
 The reward of a row is the mean reward of its group, i.e. what the agent experienced. Every setting
 the demo gives `serve` that differs from its default is printed and stored in summary.json.
+
+(Over 400 lines: the demo is one script read top to bottom (start, drive, wait, measure, stop) whose
+steps share the server process and the output folder; the agents and the rungs are in their own
+files.)
 """
 
 from __future__ import annotations
@@ -37,9 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import TypeAdapter, ValidationError
 
 from rlproxy.demo import directory, number_game
+from rlproxy.demo.canary import CANARY_ENV, canary_loop
 from rlproxy.demo.plot import plot_rewards
+from rlproxy.demo.rungs import evaluate, prompt_split
+from rlproxy.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +219,6 @@ def changed_settings(flags: dict[str, Any], env: dict[str, str]) -> dict[str, di
     Sources: "demo" (an option or variable the demo sets) or "environment" (an RLPROXY_* variable of
     the caller, which `serve` inherits). Keys are shown as "***".
     """
-    from pydantic import TypeAdapter, ValidationError
-
-    from rlproxy.settings import Settings
-
     given: dict[str, tuple[Any, str]] = {}
     for key, value in os.environ.items():
         if key.startswith("RLPROXY_") and key != "RLPROXY_API_KEY":  # the demo runs without a key
@@ -322,8 +326,6 @@ def run_demo(
     if learning_rate is not None:
         env["RLPROXY_LEARNING_RATE"] = str(learning_rate)
     if rollout == "canary":  # issue 28: new steps earn their traffic (demo/canary.py)
-        from rlproxy.demo.canary import CANARY_ENV
-
         env |= CANARY_ENV
     flags = {"backend": backend, "model": model, "db_url": f"sqlite+aiosqlite:///{out / 'rlproxy.db'}"}
     flags |= {"host": "127.0.0.1", "port": 0, "train": True, "group_size": plan.group_size}
@@ -349,8 +351,6 @@ def run_demo(
         if measure:
             measure("base")
         if rollout == "canary":
-            from rlproxy.demo.canary import canary_loop
-
             stop_reason = canary_loop(base, plan, agent, rows, started, echo, out / "rlproxy.db")
         else:
             stop_reason = _loop(base, plan, agent, rows, started, echo)
@@ -374,8 +374,6 @@ def _rungs(
 ) -> Callable[[str], None]:
     """`measure(name)`: one rung of the directory task's default policy on `n` fixed prompts."""
     from openai import OpenAI
-
-    from rlproxy.demo.rungs import evaluate, prompt_split
 
     client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
     policy = directory.default_model(client)

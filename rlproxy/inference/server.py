@@ -29,6 +29,10 @@ A client that goes away (or a proxy that gives up and closes its connection) can
 `CancelOnDisconnect` runs each request as a task and cancels it on `http.disconnect`, which ends
 the route's `async with Generation` and drops its rows from the engine before the next decode step
 (issue 22). This covers every route, streaming or not: nothing decodes for a client that left.
+
+(Over 400 lines: it mirrors vLLM's one server module route for route, and the bodies and SSE streams
+the routes answer with are read beside them; the translations live in `rlproxy/wire/`, the model
+work in `engine.py`.)
 """
 
 from __future__ import annotations
@@ -56,13 +60,8 @@ from rlproxy.inference.protocol import ChatBody, CompletionBody, LoadLoRABody, U
 from rlproxy.inference.tools import ToolStream, messages_for_template, parse_tool_calls
 from rlproxy.wire import message_events as anthropic_events
 from rlproxy.wire import messages as anthropic
-from rlproxy.wire.responses import (
-    ResponseEvents,
-    ResponsesInputError,
-    chat_request,
-    conversation,
-    response_object,
-)
+from rlproxy.wire.response_events import ResponseEvents, response_object
+from rlproxy.wire.responses import ResponsesInputError, chat_request, conversation
 from rlproxy.wire.sse import data_text as _sse
 from rlproxy.wire.sse import event_text as _event
 

@@ -38,6 +38,9 @@ current adapters first (`load_adapters_into`, which the proxy's `upstreams.Upstr
 probe finds an ejected replica answering again). Any other failure on any replica fails the call,
 so the trainer never flips a policy to an adapter a live replica does not have. `base_url` is the
 first replica (what single-server callers read); `base_urls` all of them.
+
+(Over 400 lines: launch flags, attach, the adapter routes and their errors are the one vLLM
+boundary; the process itself is `vllm_process.py`.)
 """
 
 from __future__ import annotations

@@ -16,24 +16,23 @@ import gc
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.inference.backend import Backend
-from rlproxy.proxy import errors, hosted
+from rlproxy.proxy import errors, hosted, upstreams
+from rlproxy.proxy.forward import Upstream
 from rlproxy.proxy.gate import TrainGate
 from rlproxy.proxy.inflight import InFlight
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies
+from rlproxy.proxy.runstate import RunState
+from rlproxy.proxy.upstreams import Upstreams
 from rlproxy.settings import Settings
-
-if TYPE_CHECKING:  # the lifespan imports these when it starts (they pull in the drivers)
-    from sqlalchemy.ext.asyncio import AsyncEngine
-
-    from rlproxy.proxy.forward import Upstream
-    from rlproxy.proxy.upstreams import Upstreams
-    from rlproxy.storage.writer import Writer
+from rlproxy.storage import db, queries
+from rlproxy.storage.journal import Journal, default_folder
+from rlproxy.storage.writer import Writer
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +63,6 @@ class ProxyState:
 
 async def _expire_loop(engine, older_than_s: float) -> None:
     """Forever: mark runs that were never rewarded as expired."""
-    from rlproxy.storage import queries
-
     interval = max(1.0, min(older_than_s / 10.0, 60.0))
     while True:
         await asyncio.sleep(interval)
@@ -81,8 +78,6 @@ async def _expire_loop(engine, older_than_s: float) -> None:
 
 def _journal(settings: Settings, db_url: str):
     """The crash journal of this store (storage.journal.Journal), or None when it is off."""
-    from rlproxy.storage.journal import Journal, default_folder
-
     if settings.journal_dir == "off":
         return None
     folder = settings.journal_dir or default_folder(db_url, settings.cache_dir)
@@ -91,17 +86,11 @@ def _journal(settings: Settings, db_url: str):
 
 def create_app(state: ProxyState) -> FastAPI:
     """The FastAPI app whose lifespan opens and closes `state`'s resources (no routes: the root adds them)."""
-    from rlproxy.storage import db
-
     settings, backend, services = state.settings, state.backend, state.services
     db_url = db.normalize_url(settings.db_url)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        from rlproxy.proxy import upstreams
-        from rlproxy.proxy.runstate import RunState
-        from rlproxy.storage.writer import Writer
-
         state.gate.bind(asyncio.get_running_loop())
         store_file = db.StoreFile(db_url)
         store_file.preflight()  # a read-only -shm would SIGBUS at the first write (issue 22)

@@ -5,13 +5,13 @@
     operator  `RLPROXY_ADMIN_KEY`  everything an agent may do, plus listing all runs, run stats,
                                    training steps, `/metrics` and the dashboard's data
 
-A route is public (`/healthz`, the dashboard's static page), an operator route (`ADMIN_PATHS`,
-`ADMIN_PREFIXES`) or an agent route (everything else). Each key guards its own routes: with no key
-set everything is open (local development on loopback, which `guard.Guard`'s Host and Origin
-checks protect); with only the agents' key set the operator routes are closed (403 that says to set
-`RLPROXY_ADMIN_KEY`), so an agent key can never read other agents' runs; with only the admin key
-set the agent routes stay open. A missing or wrong key is 401, a valid key on a route its principal
-may not use is 403, both in OpenAI's error shape.
+A route is public (`/healthz`, the dashboard's static page), an operator route or an agent route
+(everything else), as the one table of route rules says (`proxy/rules.py`). Each key guards its own
+routes: with no key set everything is open (local development on loopback, which `guard.Guard`'s
+Host and Origin checks protect); with only the agents' key set the operator routes are closed (403
+that says to set `RLPROXY_ADMIN_KEY`), so an agent key can never read other agents' runs; with only
+the admin key set the agent routes stay open. A missing or wrong key is 401, a valid key on a route
+its principal may not use is 403, both in OpenAI's error shape.
 
 `/metrics` is an operator route: it shows traffic, latencies and policy steps of every client, which
 is operator knowledge; Prometheus sends the admin key with `authorization: {credentials: ...}`.
@@ -23,10 +23,7 @@ import hmac
 from enum import IntEnum
 
 from rlproxy.errors import ConfigError
-
-# Operator-only routes: exact paths, and path prefixes (training and adapter control live there).
-ADMIN_PATHS = frozenset({"/v1/runs", "/v1/runs/stats", "/metrics"})
-ADMIN_PREFIXES = ("/v1/training", "/v1/admin/")
+from rlproxy.proxy.rules import ROUTE_RULES, Rules
 
 
 class Role(IntEnum):
@@ -49,22 +46,21 @@ class Refusal(Exception):
 
 def is_admin_path(path: str) -> bool:
     """True for the operator routes (see the module doc)."""
-    return path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES)
+    return ROUTE_RULES.is_admin(path)
 
 
 class Principals:
     """The two keys and the rule of the module doc; `check(path, authorization)` raises `Refusal`."""
 
-    def __init__(
-        self, api_key: str | None, admin_key: str | None, public: tuple[str, ...] = ("/healthz",)
-    ) -> None:
+    def __init__(self, api_key: str | None, admin_key: str | None, rules: Rules = ROUTE_RULES) -> None:
         if api_key and admin_key and hmac.compare_digest(api_key.encode(), admin_key.encode()):
             raise ConfigError(
                 "RLPROXY_ADMIN_KEY must differ from RLPROXY_API_KEY (else every agent is an operator)"
             )
         self.agent = b"Bearer " + api_key.encode() if api_key else None
         self.admin = b"Bearer " + admin_key.encode() if admin_key else None
-        self.public = frozenset(public)
+        self.public = rules.public
+        self.is_admin = rules.is_admin
 
     @property
     def open(self) -> bool:
@@ -85,7 +81,7 @@ class Principals:
         """Return if the request may go on; raise `Refusal` (401 or 403) if not."""
         if self.open or path in self.public:
             return
-        admin_route = is_admin_path(path)
+        admin_route = self.is_admin(path)
         if not admin_route and self.agent is None:
             return  # only the admin key is set: agent routes stay open
         role = self.role(authorization)

@@ -29,8 +29,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.responses import Response
 
 from rlproxy.errors import APIError
+from rlproxy.proxy.rules import ROUTE_RULES
 from rlproxy.storage import overview, queries
-from rlproxy.storage.training import STEP_METRIC_COLUMNS
+from rlproxy.storage.step_columns import STEP_COLUMNS as METRIC_COLUMNS
+from rlproxy.storage.step_columns import STEP_METRIC_COLUMNS
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 # Only these files are served: a fixed list, so no request path ever reaches the file system.
@@ -39,8 +41,10 @@ ASSETS: dict[str, str] = {
     "chart.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
-# The paths the API-key check must let through (they carry no data).
-PUBLIC_PATHS: tuple[str, ...] = ("/", *(f"/dashboard/{name}" for name in ASSETS))
+# The page and its files, public in the route rules (proxy/rules.py; a test keeps them = ASSETS).
+PUBLIC_PATHS: tuple[str, ...] = tuple(
+    p for p in ROUTE_RULES.public_paths if p == "/" or p.startswith("/dashboard/")
+)
 # Every dashboard file: no cache, and a browser that runs only our own scripts and styles, never
 # framed (clickjacking), never sniffing a type, never sending the page's URL elsewhere.
 SECURITY_HEADERS = {
@@ -54,7 +58,7 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
 }
 # What the charts plot per step: `training_steps` columns; the metric ones are storage's one list
-# (storage/training.py STEP_METRIC_COLUMNS, migration 0005), so a new metric column shows up here.
+# (storage/step_columns.py STEP_METRIC_COLUMNS, migration 0005), so a new metric column shows up here.
 STEP_COLUMNS: tuple[str, ...] = (
     "policy",
     "step",
@@ -67,6 +71,35 @@ STEP_COLUMNS: tuple[str, ...] = (
     "loss",
     *STEP_METRIC_COLUMNS,
 )
+
+
+def step_charts() -> list[dict[str, Any]]:
+    """The page's per-step charts, in order: one per `StepChart` id of the metric columns (their
+    series in column order), then the loss of GRPO steps and of SFT steps (`sft`: those steps only;
+    a cross-entropy of ~7 next to a GRPO loss of ~1e-5 would flatten one of them)."""
+    charts: dict[str, dict[str, Any]] = {}
+    for column, spec in METRIC_COLUMNS.items():
+        c = spec.chart
+        if c is None:
+            continue
+        chart = charts.setdefault(c.id, {"id": c.id, "title": c.title, "unit": c.unit, "cols": []})
+        chart["cols"].append(column)
+        if c.series is not None:
+            chart.setdefault("names", []).append(c.series)
+        chart.update({k: v for k, v in (("yMin", c.y_min), ("yMax", c.y_max)) if v is not None})
+    return [
+        *charts.values(),
+        {"id": "loss", "title": "loss", "unit": "GRPO steps", "cols": ["loss"]},
+        {
+            "id": "sft_loss",
+            "title": "SFT loss",
+            "unit": "cross-entropy, SFT steps",
+            "cols": ["loss"],
+            "sft": True,
+            "yMin": 0,
+        },
+    ]
+
 
 router = APIRouter(tags=["dashboard"])
 
@@ -106,6 +139,7 @@ async def step_metrics(
     """The newest `limit` training steps (of `policy`, or all), oldest first, as the charts' series.
 
     `data` rows hold `STEP_COLUMNS` only (no config or metrics JSON: a thousand steps stay small);
+    `charts` says what the page draws of them (`step_charts()`);
     `policies` lists every policy present, newest step's policy first; `default_policy` is the one
     the page opens on (`default_policy()`).
     """
@@ -115,6 +149,7 @@ async def step_metrics(
     return {
         "object": "training_metrics",
         "columns": list(STEP_COLUMNS),
+        "charts": step_charts(),
         "policies": policies,
         "default_policy": default_policy(steps),
         "data": data,

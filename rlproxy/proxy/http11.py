@@ -23,6 +23,9 @@ the close; de-chunked by llhttp).
 Errors: `BackendUnavailable` / `BackendTimeout` for the body (`Response.next_chunk`); while
 connecting and reading the head, plain `OSError`/`ConnectionError` (`forward.Upstream` translates
 them, and the caller bounds the time with `asyncio.timeout`).
+
+(Over 400 lines: one protocol and its pool, every case above tested against a raw socket; the
+parser's callbacks and the pool's bookkeeping are one state machine.)
 """
 
 from __future__ import annotations

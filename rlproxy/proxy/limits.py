@@ -1,13 +1,14 @@
 """Request limits that every route gets, as pure ASGI in front of everything else.
 
-- Body size: `max_body_bytes` on every route, `max_reward_body_bytes` on reward and complete. A
+- Body size: `max_body_bytes` on every route, `max_reward_body_bytes` on reward and complete (the
+  route rules say which: `proxy/rules.py`). A
   declared Content-Length over the limit is answered 413 before a byte of the body is read; a body
   without one (chunked) is counted as `receive()` hands it over, and the read that passes the limit
   raises `APIError(413)` into the route (whose handler renders it). Either way the connection is
   closed after the 413 (see `server.LimitedHttpToolsProtocol`), so the rest is never read.
 - Requests in flight: above `max_concurrent_requests` a request gets 503 with `Retry-After` at
-  once, before any work (a stream counts until its last byte). `/healthz` and `/metrics` are exempt,
-  so an overloaded proxy can still be watched.
+  once, before any work (a stream counts until its last byte). The rules' uncapped routes
+  (`/healthz`, `/metrics`) are exempt, so an overloaded proxy can still be watched.
 
 Header size and count, the header and body deadlines, idle connections and the connection cap act
 before a request exists, so they are the HTTP protocol's part (`proxy/server.py`).
@@ -19,11 +20,11 @@ import logging
 
 from rlproxy.errors import APIError
 from rlproxy.proxy.errors import error_body, send_json
+from rlproxy.proxy.rules import ROUTE_RULES, Rules
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
-_EXEMPT = frozenset({"/healthz", "/metrics"})
 
 
 def too_large(limit: int, declared: int | None = None) -> APIError:
@@ -35,8 +36,12 @@ def too_large(limit: int, declared: int | None = None) -> APIError:
 class Limits:
     """ASGI: body size per route and requests in flight (see the module doc)."""
 
-    def __init__(self, app, max_body: int, max_reward_body: int, max_in_flight: int) -> None:
+    def __init__(
+        self, app, max_body: int, max_reward_body: int, max_in_flight: int, rules: Rules = ROUTE_RULES
+    ) -> None:
         self.app = app
+        self.is_reward_body = rules.is_reward_body
+        self.uncapped = rules.uncapped
         self.max_body = max_body
         self.max_reward_body = max_reward_body
         self.max_in_flight = max_in_flight
@@ -44,15 +49,12 @@ class Limits:
 
     def limit(self, path: str) -> int:
         """The body limit of `path` in bytes."""
-        # a run's reward, and an untagged reply's (`/v1/completions/{reply_id}/reward`)
-        if path.endswith(("/reward", "/complete")) and (
-            "/runs/" in path or path.startswith("/v1/completions/")
-        ):
+        if self.is_reward_body(path):  # a run's reward, and an untagged reply's
             return min(self.max_reward_body, self.max_body)
         return self.max_body
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in _EXEMPT:
+        if scope["type"] != "http" or scope["path"] in self.uncapped:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.max_in_flight:

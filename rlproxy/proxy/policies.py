@@ -31,6 +31,7 @@ import logging
 
 from rlproxy.errors import APIError, RLProxyError
 from rlproxy.inference.backend import adapter_name, parse_adapter_name
+from rlproxy.storage import queries
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +135,6 @@ class Policies:
 
     async def reload(self, backend, engine) -> None:
         """Load each policy's newest adapter into `backend` and serve it (after a restart)."""
-        from rlproxy.storage import queries
-
         latest = await queries.latest_adapters(engine)
         for policy, (step, path) in latest.items():
             try:
@@ -175,8 +174,6 @@ class Policies:
     async def poll(self, engine, interval: float = 1.0, backend=None) -> None:
         """Forever, every `interval` seconds: pick up steps published by another process, loading their
         adapters into `backend` first (run as a lifespan task)."""
-        from rlproxy.storage import queries
-
         while True:
             await asyncio.sleep(interval)
             try:

@@ -31,13 +31,8 @@ from starlette.responses import Response
 from rlproxy.errors import APIError
 from rlproxy.storage import queries
 from rlproxy.storage.writer import PEER_GRACE_S, PEER_RETRY_S
-from rlproxy.wire.responses import (
-    ResponseEvents,
-    ResponsesInputError,
-    chat_request,
-    conversation,
-    response_object,
-)
+from rlproxy.wire.response_events import ResponseEvents, response_object
+from rlproxy.wire.responses import ResponsesInputError, chat_request, conversation
 from rlproxy.wire.sse import event_bytes as _sse
 
 

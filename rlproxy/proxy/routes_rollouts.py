@@ -15,14 +15,13 @@ from rlproxy.errors import APIError
 from rlproxy.storage import rollouts as store
 
 PAGE = Path(__file__).resolve().parent / "static" / "rollouts.html"
-PUBLIC_PATHS: tuple[str, ...] = ("/rollouts",)  # the page; its data needs the admin key
 
 router = APIRouter(tags=["rollouts"])
 
 
 @router.get("/rollouts", include_in_schema=False)
 async def page() -> FileResponse:
-    """The canary panel."""
+    """The canary panel (a public route, proxy/rules.py: its data needs the admin key)."""
     return FileResponse(PAGE, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
 
 

@@ -35,7 +35,9 @@ from starlette.responses import Response
 
 from rlproxy.errors import APIError
 from rlproxy.proxy import runkey, validate
+from rlproxy.storage import queries
 from rlproxy.storage.errors import StoreUnavailable
+from rlproxy.storage.training import singleton_notice
 
 router = APIRouter()
 
@@ -222,8 +224,6 @@ async def list_runs(
     cursor: str | None = None,
 ) -> Response:
     """Recent runs, newest first; pass `next_cursor` back as `cursor` for the next page."""
-    from rlproxy.storage import queries
-
     if not 1 <= limit <= 1000:
         raise APIError(422, "limit: must be between 1 and 1000", param="limit", code="invalid_value")
     px = request.app.state.proxy
@@ -239,9 +239,6 @@ async def list_runs(
 @router.get("/v1/runs/stats")
 async def run_stats(request: Request) -> Response:
     """Runs per status (the dashboard's counters), and a notice when most rewarded runs are ungrouped."""
-    from rlproxy.storage import queries
-    from rlproxy.storage.training import singleton_notice
-
     counts = await queries.run_status_counts(request.app.state.proxy.engine)
     notice = singleton_notice(counts)  # None, or what to set when every task looks unique
     total = sum(counts.values())
@@ -251,8 +248,6 @@ async def run_stats(request: Request) -> Response:
 @router.get("/v1/runs/{run_id}")
 async def get_run(request: Request, run_id: str) -> Response:
     """One run with its completions in order and its messages."""
-    from rlproxy.storage import queries
-
     runkey.check_id(run_id)
     run = await queries.get_run(request.app.state.proxy.engine, run_id)
     if run is None:
@@ -263,8 +258,6 @@ async def get_run(request: Request, run_id: str) -> Response:
 @router.get("/v1/training/steps")
 async def training_steps(request: Request, policy: str | None = None, limit: int = 100) -> Response:
     """Training steps, newest first."""
-    from rlproxy.storage import queries
-
     px = request.app.state.proxy
     steps = await queries.list_training_steps(px.engine, policy=policy, limit=limit)
     return _json({"object": "list", "data": steps, "policies": px.policies.steps})

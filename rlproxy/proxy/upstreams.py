@@ -50,8 +50,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rlproxy.errors import BackendError, BackendUnavailable, BackendUnreachable
+from rlproxy.inference.backend import adapter_name
 from rlproxy.proxy import http11
 from rlproxy.proxy.forward import Upstream
+from rlproxy.storage import queries
 
 logger = logging.getLogger(__name__)
 
@@ -329,9 +331,6 @@ def restorer(backend: Any, engine: Any) -> Restore | None:
         return None
 
     async def restore(url: str) -> None:
-        from rlproxy.inference.backend import adapter_name
-        from rlproxy.storage import queries
-
         latest = await queries.latest_adapters(engine)
         await backend.load_adapters_into(
             url, {adapter_name(p, step): path for p, (step, path) in latest.items()}

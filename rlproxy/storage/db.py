@@ -35,6 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateColumn
 
+from rlproxy.errors import StorageError
 from rlproxy.storage.inline import InlineEngine
 
 log = logging.getLogger(__name__)
@@ -392,8 +393,6 @@ class StoreFile:
         return st.st_dev, st.st_ino
 
     def preflight(self) -> None:
-        from rlproxy.errors import StorageError
-
         if self.path is None:
             return
         for sidecar in (self.path + "-wal", self.path + "-shm"):

@@ -36,6 +36,7 @@ import orjson
 from sqlalchemy import bindparam, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from rlproxy.storage.errors import StorageError
 from rlproxy.storage.queries import COMPLETIONS, RUNS, _iso
 
 log = logging.getLogger(__name__)
@@ -206,8 +207,6 @@ def write_dataset(rows: list[dict[str, Any]], fmt: Format, out: Path) -> None:
     try:
         import datasets
     except ImportError as exc:
-        from rlproxy.storage.errors import StorageError
-
         raise StorageError(
             f"--format {fmt} needs the `datasets` package: pip install 'rlproxy[export]'"
         ) from exc

@@ -35,7 +35,9 @@ from datetime import datetime
 from pathlib import Path
 
 import orjson
+from sqlalchemy.engine import make_url
 
+from rlproxy.storage.db import is_sqlite, normalize_url, sqlite_path
 from rlproxy.storage.records import CompletionRecord
 
 log = logging.getLogger(__name__)
@@ -47,10 +49,6 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(CompletionRecord))
 def default_folder(db_url: str, cache_dir: str | Path) -> Path | None:
     """Where the journal of `db_url` lives: `<db file>.journal` next to a SQLite file, else a
     folder per database under `cache_dir`; None for an in-memory database (nothing to replay into)."""
-    from sqlalchemy.engine import make_url
-
-    from rlproxy.storage.db import is_sqlite, normalize_url, sqlite_path
-
     if is_sqlite(db_url):
         path = sqlite_path(db_url)
         return Path(path + ".journal") if path else None

@@ -17,13 +17,15 @@ run its status (`StatusReason`).
 `commit_step` is the exactly-once point: in ONE write transaction (SQLite: BEGIN IMMEDIATE) it sets
 the step's runs to `trained` only if every one is still `completed` (or `ungrouped`), and inserts the
 `training_steps` row; anything else rolls back and raises `StepConflict`.
+
+(Over 400 lines: the selection of groups and the exactly-once commit are one contract over the same
+statuses and indexes; the column list is `step_columns.py`, judging `judging.py`.)
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -37,50 +39,12 @@ from sqlalchemy.orm import aliased
 from rlproxy.storage.db import connect_write
 from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.models import Completion, Run, RunStatus, TrainingStep
+from rlproxy.storage.step_columns import STEP_COLUMNS as STEP_COLUMNS  # re-exported: queries, trainer
+from rlproxy.storage.step_columns import STEP_METRIC_COLUMNS
+from rlproxy.storage.step_columns import step_columns as step_columns  # re-exported: the trainer
 from rlproxy.storage.validation import step_summary
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepColumn:
-    """A per-step metric column of `training_steps`: the step metric it copies, and the keys older rows
-    kept the same number under in their `metrics` JSON (read back by storage/queries.step_table)."""
-
-    metric: str
-    older: tuple[str, ...] = ()
-    integer: bool = False  # an INTEGER column (a count), else FLOAT
-
-
-# THE list of per-step metric columns: the trainer's step_columns, commit_step's check and the CLI's
-# fallback all derive from it. Migration 0005 (the FLOAT ones) and 0010 (merged segments: the counts).
-STEP_COLUMNS: dict[str, StepColumn] = {
-    "reward_std": StepColumn("reward/std"),
-    "zero_variance_frac": StepColumn("reward/zero_variance_frac", ("reward/frac_zero_std",)),
-    "kl": StepColumn("kl/step", ("kl/ref", "kl/approx")),
-    "clip_frac_low": StepColumn("clip/low_frac"),
-    "clip_frac_high": StepColumn("clip/high_frac"),
-    "entropy": StepColumn("entropy/mean"),
-    "completion_len_mean": StepColumn("batch/completion_len_mean"),
-    "policy_lag_mean": StepColumn("perf/policy_lag_mean"),
-    "tokens_per_s": StepColumn("perf/tokens_per_s"),
-    "grad_norm": StepColumn("loss/grad_norm"),
-    "positions_merged": StepColumn("merge/positions_merged", integer=True),
-    "positions_unmerged": StepColumn("merge/positions_unmerged", integer=True),
-    "segment_breaks": StepColumn("merge/breaks", integer=True),
-}
-# what commit_step's `columns` may set: the metric columns and `kind`
-STEP_METRIC_COLUMNS: tuple[str, ...] = (*STEP_COLUMNS, "kind")
-
-
-def step_columns(metrics: dict[str, Any]) -> dict[str, float | int | None]:
-    """The per-step metric columns of a step's namespaced metrics; missing or non-finite values are None."""
-    out: dict[str, float | int | None] = {}
-    for column, spec in STEP_COLUMNS.items():
-        value = metrics.get(spec.metric)
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        out[column] = (int(value) if spec.integer else float(value)) if ok else None
-    return out
 
 
 TRAINABLE = (RunStatus.completed, RunStatus.ungrouped)  # the statuses a step may take runs from

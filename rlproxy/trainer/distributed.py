@@ -45,6 +45,7 @@ from rlproxy.trainer.batches import Sample, baseline_group
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.model import load_policy, trainable_parameters
 from rlproxy.trainer.segments import Segment
+from rlproxy.trainer.step import make_optimizer, train_step
 
 Unit = TypeVar("Unit", Sample, Segment)  # what a rank trains: per-call samples or merged segments
 
@@ -203,8 +204,6 @@ class Leader:
 
 def follow(ranks: Ranks, config: TrainerConfig) -> None:
     """A follower's life: run rank 0's step commands on its share of each step, until told to stop."""
-    from rlproxy.trainer.step import make_optimizer, train_step
-
     # SIGTERM/SIGINT reach every rank; a follower exits when rank 0 says so, after the step in flight
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

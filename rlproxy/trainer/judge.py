@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import httpx
 
+from rlproxy.settings import JudgeSettings
 from rlproxy.storage.judging import JudgeGroup, judge_groups, store_scores
 from rlproxy.storage.models import RunStatus
 from rlproxy.storage.training import StatusReason, mark_runs
@@ -64,6 +65,20 @@ class JudgeConfig:
     temperature: float = 0.0
     timeout: float = 120.0
     max_chars: int = 4000
+
+    @classmethod
+    def of(cls, group: JudgeSettings) -> JudgeConfig:
+        """From the settings' judge group: `judge_<name>` is `<name>`, `judge` the mode (ValueError on a
+        bad `judge_policies` entry)."""
+        values = {name.removeprefix("judge_"): getattr(group, name) for name in JudgeSettings.model_fields}
+        mode = values.pop("judge")
+        policies = parse_policy_modes(values.pop("policies"))
+        return cls(mode=mode, policies=policies, **{**values, "rubrics": dict(values["rubrics"])})
+
+    @property
+    def off(self) -> bool:
+        """Off for every policy: no judge is needed."""
+        return self.mode == "off" and all(m == "off" for m in self.policies.values())
 
     def mode_of(self, policy: str) -> Mode:
         return self.policies.get(policy, self.mode)

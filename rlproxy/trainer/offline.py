@@ -10,6 +10,9 @@ its own), and commits its `training_steps` row (and, for fork and init, the `pol
 0007). A running `serve` on the same store serves the new step within `policy_poll_interval`
 (proxy/policies.py: it loads the adapter from the checkpoint folder, then flips the alias), so
 `checkpoint_dir` must be the same folder for both.
+
+(Over 400 lines by a few: the three kinds of step share one order (lock, checkpoint, load, commit)
+and `publish.publish_step`.)
 """
 
 from __future__ import annotations
@@ -27,14 +30,19 @@ import torch
 from rlproxy.errors import ConfigError, TrainerError
 from rlproxy.inference.backend import Backend, parse_adapter_name
 from rlproxy.storage.db import create_engine
+from rlproxy.storage.export import select_run_ids
 from rlproxy.storage.leader import LeaderLock
 from rlproxy.storage.lineage import PolicyExists, start_policy, step_adapter
+from rlproxy.storage.queries import open_readonly
 from rlproxy.storage.training import commit_step, latest_step, load_runs
 from rlproxy.trainer import checkpoint as ckpt
+from rlproxy.trainer import sft
 from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.model import load_policy
 from rlproxy.trainer.publish import publish_step
 from rlproxy.trainer.service import STEPS_LOCK, resolved_config
-from rlproxy.trainer.step import step_columns
+from rlproxy.trainer.sft import train_sft
+from rlproxy.trainer.step import make_optimizer, step_columns
 
 log = logging.getLogger(__name__)
 
@@ -242,8 +250,6 @@ async def sft_examples(
     or (`from_policy`) that policy's conversations rendered with the student's template (distillation:
     a hosted teacher's rows have no tokens). Runs of split `val` are left out unless `include_val`;
     `min_reward` keeps only runs rewarded at least that."""
-    from rlproxy.trainer import sft
-
     if file is not None:
         if where is not None or from_policy is not None or min_reward is not None:
             raise ConfigError(
@@ -252,8 +258,6 @@ async def sft_examples(
         return [sft.chat_example(tokenizer, c["messages"], c.get("tools")) for c in sft.read_chats(file)]
     if where is None and from_policy is None:
         raise ConfigError("give one of --where (SQL over the trajectories view) and --file (chat JSONL)")
-    from rlproxy.storage.export import select_run_ids
-    from rlproxy.storage.queries import open_readonly
 
     condition, params = sft_condition(where, from_policy, min_reward, include_val)
     engine = await open_readonly(db_url)  # `where` is the operator's SQL: it may read, never write
@@ -300,10 +304,6 @@ async def run_sft(
 
     `into` NEW: publish as step 1 of a new policy NEW instead (the policy's traffic stays where it is
     until the user routes an app to NEW: the model map). `on_step(done, total, metrics)`: progress."""
-    from rlproxy.trainer.model import load_policy
-    from rlproxy.trainer.sft import train_sft
-    from rlproxy.trainer.step import make_optimizer
-
     engine = create_engine(db_url)
     lock = await _steps_lock(db_url)
     try:

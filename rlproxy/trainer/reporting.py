@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlproxy.errors import ConfigError
-from rlproxy.trainer.config import TRACKERS as TRACKERS  # the names live with the settings
-from rlproxy.trainer.config import parse_report_to as parse_report_to
+from rlproxy.settings import TRACKERS as TRACKERS  # the names live with the setting `report_to`
+from rlproxy.settings import parse_report_to as parse_report_to
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # an annotation only: step.py loads torch, this module does not need it
     from rlproxy.trainer.step import StepResult
 
 log = logging.getLogger(__name__)

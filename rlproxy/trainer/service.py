@@ -39,6 +39,7 @@ from rlproxy.storage.db import create_engine
 from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.leader import LeaderLock
 from rlproxy.storage.models import RunStatus
+from rlproxy.storage.overview import fullest_waiting_group
 from rlproxy.storage.queries import run_status_counts
 from rlproxy.storage.training import (
     ReadyGroup,
@@ -411,8 +412,6 @@ class TrainerService:
 
     async def _say_what_we_wait_for(self) -> None:
         """One log line each time the fullest waiting group changes: "waiting: group 3/8 of g-..."."""
-        from rlproxy.storage.overview import fullest_waiting_group
-
         found = await fullest_waiting_group(self._db())
         if found is not None and found != self._waiting_for:
             policy, group, n = found

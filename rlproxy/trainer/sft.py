@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from rlproxy.errors import ConfigError, TrainerError
+from rlproxy.inference.tools import messages_for_template
 from rlproxy.storage.training import RunData
 from rlproxy.trainer import losses
 from rlproxy.trainer.batches import Batch, Sample, collate, prompt_ids, usable
@@ -214,8 +215,6 @@ def distill_examples(tokenizer: Any, runs: list[RunData]) -> tuple[list[SFTExamp
     """The teacher's conversations of `runs` rendered with the student's chat template (`tokenizer`),
     tools and tool calls included, every assistant turn learned and nothing else: (examples, number
     of conversations the template could not mask, left out)."""
-    from rlproxy.inference.tools import messages_for_template
-
     out, refused = [], 0
     for run in runs:
         for messages, tools in conversations(run):

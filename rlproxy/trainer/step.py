@@ -24,8 +24,9 @@ from typing import Any, Protocol
 import torch
 
 from rlproxy.errors import TrainerError
-from rlproxy.storage.training import STEP_COLUMNS, RunData
-from rlproxy.storage.training import step_columns as step_columns  # re-exported: service, offline
+from rlproxy.storage.step_columns import STEP_COLUMNS
+from rlproxy.storage.step_columns import step_columns as step_columns  # re-exported: service, offline
+from rlproxy.storage.training import RunData
 from rlproxy.trainer import losses
 from rlproxy.trainer.batches import baseline_index
 from rlproxy.trainer.config import TrainerConfig, learning_rate_for
@@ -269,6 +270,6 @@ def train_step(
 
 
 # The `training_steps` columns and the metric each one copies: derived from their one owner,
-# storage/training.py STEP_COLUMNS. `kl/step` is the KL to the base model (k3) when beta > 0, else the
+# storage/step_columns.py STEP_COLUMNS. `kl/step` is the KL to the base model (k3) when beta > 0, else the
 # approximate KL to the sampling policy (free: no ref pass).
 COLUMN_METRICS: dict[str, str] = {column: spec.metric for column, spec in STEP_COLUMNS.items()}

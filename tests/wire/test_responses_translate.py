@@ -9,13 +9,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from rlproxy.wire.responses import (
-    ResponseEvents,
-    ResponsesInputError,
-    chat_request,
-    conversation,
-    response_object,
-)
+from rlproxy.wire.response_events import ResponseEvents, response_object
+from rlproxy.wire.responses import ResponsesInputError, chat_request, conversation
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 WEATHER = {

@@ -107,24 +107,15 @@
 
   // --- per training step: GET /v1/training/metrics (the metric columns of training_steps) ---
   // Each chart plots columns of one policy's steps; `svg.dataset.points` says how many points it drew.
-  // SFT steps (kind = sft) have their own loss chart: a cross-entropy of ~7 next to a GRPO loss of
-  // ~1e-5 would flatten one of them; on the reward chart they are dashed marks.
-  const CHARTS = [
-    { id: "zero_variance_frac", title: "zero-variance groups", unit: "fraction, skipped ones too", cols: ["zero_variance_frac"], yMin: 0, yMax: 1 },
-    { id: "kl", title: "KL", unit: "per token", cols: ["kl"] },
-    { id: "clip", title: "clipped tokens", unit: "fraction", cols: ["clip_frac_low", "clip_frac_high"], names: ["low", "high"], yMin: 0 },
-    { id: "entropy", title: "entropy", unit: "nats per token", cols: ["entropy"], yMin: 0 },
-    { id: "completion_len_mean", title: "completion length", unit: "tokens", cols: ["completion_len_mean"], yMin: 0 },
-    { id: "policy_lag_mean", title: "policy lag", unit: "adapter steps", cols: ["policy_lag_mean"], yMin: 0 },
-    { id: "tokens_per_s", title: "training throughput", unit: "tokens/s", cols: ["tokens_per_s"], yMin: 0 },
-    { id: "grad_norm", title: "gradient norm", unit: "before clipping", cols: ["grad_norm"], yMin: 0 },
-    { id: "loss", title: "loss", unit: "GRPO steps", cols: ["loss"], kinds: (k) => k !== "sft" },
-    { id: "sft_loss", title: "SFT loss", unit: "cross-entropy, SFT steps", cols: ["loss"], kinds: (k) => k === "sft", yMin: 0 },
-  ];
+  // The charts come with the data (`charts`: proxy/dashboard.py step_charts, made from storage's one
+  // list of step columns): {id, title, unit, cols, names?, yMin?, yMax?, sft?}. SFT steps (kind = sft)
+  // have their own loss chart (`sft`); on the reward chart they are dashed marks.
+  let CHARTS = [];
 
-  function chartBoxes() {
+  function chartBoxes(charts) {
     const box = $("charts");
     if (box.childElementCount) return;
+    CHARTS = charts;
     for (const c of CHARTS) {
       const fig = document.createElement("figure");
       const cap = text("figcaption", c.title);
@@ -168,9 +159,9 @@
     if (val.length) series.push({ name: "validation", points: val, cls: "s1" });
     const drawn = window.multiChart($("chart"), series, { yMin: 0, yMax: 1, xLabel: "training step", band: true, marks });
     $("chart").dataset.points = String(drawn);
-    chartBoxes();
+    chartBoxes(body.charts || []);
     for (const c of CHARTS) {
-      const rows = c.kinds ? steps.filter((s) => c.kinds(s.kind)) : trained;
+      const rows = c.sft ? steps.filter((s) => s.kind === "sft") : trained;
       const series = c.cols.map((col, i) => ({
         name: c.names ? c.names[i] : col,
         points: rows
