@@ -30,9 +30,9 @@ A client that goes away (or a proxy that gives up and closes its connection) can
 the route's `async with Generation` and drops its rows from the engine before the next decode step
 (issue 22). This covers every route, streaming or not: nothing decodes for a client that left.
 
-(Over 400 lines: it mirrors vLLM's one server module route for route, and the bodies and SSE streams
-the routes answer with are read beside them; the translations live in `rlproxy/wire/`, the model
-work in `engine.py`.)
+(Over 400 lines by a little: it mirrors vLLM's one server module route for route; the bodies and
+streams the routes answer with are `answers.py`, the translations `rlproxy/wire/`, the model work
+`engine.py`.)
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -54,16 +53,23 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlproxy.errors import AdapterError, APIError
+from rlproxy.inference.answers import (
+    ResponseStore,
+    chat_result,
+    chat_stream,
+    completion_result,
+    completion_stream,
+    message_stream,
+    response_stream,
+)
 from rlproxy.inference.engine import Engine
-from rlproxy.inference.generation import Choice, Generation, chat_logprobs, completion_logprobs
+from rlproxy.inference.generation import Choice, Generation
 from rlproxy.inference.protocol import ChatBody, CompletionBody, LoadLoRABody, UnloadLoRABody
-from rlproxy.inference.tools import ToolStream, messages_for_template, parse_tool_calls
+from rlproxy.inference.tools import messages_for_template
 from rlproxy.wire import message_events as anthropic_events
 from rlproxy.wire import messages as anthropic
 from rlproxy.wire.response_events import ResponseEvents, response_object
 from rlproxy.wire.responses import ResponsesInputError, chat_request, conversation
-from rlproxy.wire.sse import data_text as _sse
-from rlproxy.wire.sse import event_text as _event
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +221,7 @@ async def chat(request: Request) -> Response:
     body: ChatBody = await _parse(request, ChatBody)
     adapter = _adapter_for(engine, body.model)
     prompt = _chat_prompt(engine, body)
-    return await _generate(engine, body, [prompt], adapter, "chatcmpl", _chat_stream, _chat_result)
+    return await _generate(engine, body, [prompt], adapter, "chatcmpl", chat_stream, chat_result)
 
 
 @router.post("/v1/completions")
@@ -229,7 +235,7 @@ async def completions(request: Request) -> Response:
     for p in prompts:
         if not p or any(not isinstance(t, int) or t < 0 or t >= vocab for t in p):
             raise APIError(400, "prompt token ids must be in [0, vocab size) and non-empty", param="prompt")
-    return await _generate(engine, body, prompts, adapter, "cmpl", _completion_stream, _completion_result)
+    return await _generate(engine, body, prompts, adapter, "cmpl", completion_stream, completion_result)
 
 
 @router.post("/v1/responses")
@@ -252,9 +258,9 @@ async def responses(request: Request) -> Response:
     keep = body.get("store") is not False
     if chat_body.stream:
         events = ResponseEvents(body, model=meta["model"], **ids)
-        stream = _response_stream(engine.tokenizer, gen, chat_body, meta, events, store if keep else None)
+        stream = response_stream(engine.tokenizer, gen, chat_body, meta, events, store if keep else None)
         return StreamingResponse(stream, media_type="text/event-stream")
-    chat = {**meta, **_chat_result(engine.tokenizer, gen, chat_body, await _finished(gen))}
+    chat = {**meta, **chat_result(engine.tokenizer, gen, chat_body, await _finished(gen))}
     answer = response_object(body, chat, **ids)
     if keep:
         store.put(answer, conversation(chat_dict, chat["choices"][0]["message"]))
@@ -286,10 +292,10 @@ async def messages(request: Request) -> Response:
     if chat_body.stream:
         events = anthropic_events.MessageEvents(message_id=message_id, model=meta["model"])
         return StreamingResponse(
-            _message_stream(engine.tokenizer, gen, chat_body, meta, events), media_type="text/event-stream"
+            message_stream(engine.tokenizer, gen, chat_body, meta, events), media_type="text/event-stream"
         )
     try:
-        chat = {**meta, **_chat_result(engine.tokenizer, gen, chat_body, await _finished(gen))}
+        chat = {**meta, **chat_result(engine.tokenizer, gen, chat_body, await _finished(gen))}
     except APIError as exc:
         return JSONResponse(anthropic.error_body(exc.status, exc.message), status_code=exc.status)
     return JSONResponse(anthropic_events.message_object(chat, message_id=message_id))
@@ -474,219 +480,3 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 async def _internal(_: Request, exc: Exception) -> JSONResponse:
     log.exception("engine request failed")
     return _error(500, f"internal error: {exc}", type="InternalServerError")
-
-
-# ---------------------------------------------------------------------------------------------
-# Chat completions: one body, or chunks
-
-
-def _chat_result(tok: Any, gen: Generation, body: ChatBody, results: list[Choice]) -> dict[str, Any]:
-    choices = []
-    for i, c in enumerate(results):
-        content: str | None = c.text
-        calls: list[dict[str, Any]] = []
-        if body.parse_tools:
-            content, calls = parse_tool_calls(c.text)
-        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        choice: dict[str, Any] = {
-            "index": i,
-            "message": {"role": "assistant", "content": content, "tool_calls": calls},
-            "logprobs": chat_logprobs(tok, c.logprobs) if body.logprobs else None,
-            "finish_reason": finish,
-            "stop_reason": c.stop_reason,
-        }
-        if body.return_token_ids:
-            choice["token_ids"] = c.token_ids
-        choices.append(choice)
-    resp: dict[str, Any] = {"object": "chat.completion", "choices": choices, "usage": gen.usage()}
-    if body.return_token_ids:
-        resp["prompt_token_ids"] = gen.prompt_ids(0)
-    return resp
-
-
-async def _chat_stream(tok: Any, gen: Generation, body: ChatBody, meta: dict[str, Any]) -> AsyncIterator[str]:
-    async for chunk in _chat_chunks(tok, gen, body, meta):
-        yield _sse(chunk)
-    yield "data: [DONE]\n\n"
-
-
-async def _chat_chunks(
-    tok: Any, gen: Generation, body: ChatBody, meta: dict[str, Any]
-) -> AsyncIterator[dict[str, Any]]:
-    base = {**meta, "object": "chat.completion.chunk"}
-    tools = [ToolStream() for _ in gen.choices] if body.parse_tools else None
-    async with gen:
-        for i in range(len(gen.choices)):
-            first = {
-                **base,
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            }
-            if body.return_token_ids:
-                first["prompt_token_ids"] = gen.prompt_ids(i)
-            yield first
-        async for i, d in gen.deltas():
-            text, delta = d.text, {}
-            finish = d.finish_reason
-            if tools is not None:
-                text = tools[i].feed(d.text)
-                if finish is not None:
-                    rest, calls = tools[i].finish()
-                    text += rest
-                    if calls:
-                        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-                        finish = "tool_calls" if finish == "stop" else finish
-            if text:
-                delta["content"] = text
-            if not delta and finish is None and not d.logprobs and not body.return_token_ids:
-                continue
-            choice: dict[str, Any] = {
-                "index": i,
-                "delta": delta,
-                "logprobs": chat_logprobs(tok, d.logprobs) if body.logprobs else None,
-                "finish_reason": finish,
-            }
-            if finish is not None:
-                choice["stop_reason"] = d.stop_reason
-            if body.return_token_ids:
-                choice["token_ids"] = d.token_ids
-            yield {**base, "choices": [choice]}
-        if body.include_usage:
-            yield {**base, "choices": [], "usage": gen.usage()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Completions: one body, or chunks
-
-
-def _completion_result(
-    tok: Any, gen: Generation, body: CompletionBody, results: list[Choice]
-) -> dict[str, Any]:
-    choices = []
-    for i, c in enumerate(results):
-        choice: dict[str, Any] = {
-            "index": i,
-            "text": c.text,
-            "logprobs": completion_logprobs(tok, c.logprobs) if body.logprobs is not None else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        if body.return_token_ids:
-            choice["prompt_token_ids"] = gen.prompt_ids(i)
-            choice["token_ids"] = c.token_ids
-        choices.append(choice)
-    return {"object": "text_completion", "choices": choices, "usage": gen.usage()}
-
-
-async def _completion_stream(
-    tok: Any, gen: Generation, body: CompletionBody, meta: dict[str, Any]
-) -> AsyncIterator[str]:
-    base = {**meta, "object": "text_completion"}
-    started: set[int] = set()
-    offsets = [0] * len(gen.choices)
-    async with gen:
-        async for i, d in gen.deltas():
-            if not d.text and d.finish_reason is None and not d.logprobs and not body.return_token_ids:
-                continue
-            choice: dict[str, Any] = {
-                "index": i,
-                "text": d.text,
-                "logprobs": None,
-                "finish_reason": d.finish_reason,
-                "stop_reason": d.stop_reason,
-            }
-            if body.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(tok, d.logprobs, offsets[i])
-                offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
-            if body.return_token_ids:
-                if i not in started:
-                    choice["prompt_token_ids"] = gen.prompt_ids(i)
-                choice["token_ids"] = d.token_ids
-            started.add(i)
-            yield _sse({**base, "choices": [choice]})
-        if body.include_usage:
-            yield _sse({**base, "choices": [], "usage": gen.usage()})
-    yield "data: [DONE]\n\n"
-
-
-# ---------------------------------------------------------------------------------------------
-# Responses: events over the chat chunks, and the store of earlier responses
-
-
-async def _response_stream(
-    tok: Any,
-    gen: Generation,
-    body: ChatBody,
-    meta: dict[str, Any],
-    events: ResponseEvents,
-    store: ResponseStore | None,
-) -> AsyncIterator[str]:
-    """Responses SSE (`event: <type>` + `data: <json>`) from the chat chunks; kept in `store` at the end."""
-    message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": []}
-    failed = False
-    for event in events.start():
-        yield _event(event)
-    async for chunk in _chat_chunks(tok, gen, body, meta):
-        for choice in chunk["choices"]:
-            message["content"] += choice["delta"].get("content") or ""
-            message["tool_calls"] += choice["delta"].get("tool_calls") or []
-            failed = failed or choice["finish_reason"] == "error"
-        for event in events.feed(chunk):
-            yield _event(event)
-    if failed:
-        for event in events.fail("the engine failed while generating; see its log"):
-            yield _event(event)
-        return
-    for event in events.finish():
-        yield _event(event)
-    if store is not None:
-        store.put(events.response, conversation({"messages": body.messages}, message))
-
-
-async def _message_stream(
-    tok: Any, gen: Generation, body: ChatBody, meta: dict[str, Any], events: anthropic_events.MessageEvents
-) -> AsyncIterator[str]:
-    """Messages SSE (`event: <type>` + `data: <json>`) from the chat chunks; `error` if the engine failed."""
-    failed = False
-    async for chunk in _chat_chunks(tok, gen, body, meta):
-        failed = failed or any(c["finish_reason"] == "error" for c in chunk["choices"])
-        for event in events.feed(chunk):
-            yield _event(event)
-    done = events.fail("the engine failed while generating; see its log") if failed else events.finish()
-    for event in done:
-        yield _event(event)
-
-
-class ResponseStore:
-    """The newest `size` responses by id, each with the chat messages a continuation starts from."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
-
-    def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        self._kept[response["id"]] = (response, messages)
-        while len(self._kept) > self.size:
-            self._kept.popitem(last=False)
-
-    def get(self, response_id: str) -> dict[str, Any]:
-        """The response; APIError 404 (vLLM's answer) when unknown or evicted."""
-        if response_id not in self._kept:
-            raise APIError(
-                404,
-                f"Response with id '{response_id}' not found.",
-                type="invalid_request_error",
-                param="response_id",
-            )
-        return self._kept[response_id][0]
-
-    def history(self, response_id: str) -> list[dict[str, Any]]:
-        """The messages `previous_response_id` continues from; 404 like `get`."""
-        self.get(response_id)
-        return self._kept[response_id][1]
