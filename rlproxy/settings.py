@@ -280,8 +280,10 @@ class RunsSettings(BaseModel):
         1.0,
         gt=0,
         le=60,
-        description="seconds between two reads of the runs closed (rewarded) on any replica: a turn "
-        "for a closed run is refused (409 run_closed) at most this long after another replica's reward",
+        description="seconds between two reads of the runs closed (rewarded) on any replica, and "
+        "checks of the runs this replica saw first since the last (no store read on a request): a "
+        "turn for a closed run is refused (409 run_closed) at most this long after another "
+        "replica's reward",
     )
     reward_bound: float = Field(
         1e6,
