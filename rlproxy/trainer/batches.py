@@ -190,6 +190,33 @@ def _old_logprobs(comp: CompletionData, choice: int, n: int) -> list[float] | No
     return [float(x) if x is not None and LOGPROB_FLOOR < float(x) < math.inf else math.nan for x in lps]
 
 
+@dataclass
+class Choice:
+    """One choice of a stored completion as training reads it: exact ids, or the template's fallback."""
+
+    prompt: list[int]
+    completion: list[int]
+    old: list[float] | None  # stored sampling logprobs (NaN entries where broken); None when absent
+    rebuilt: bool  # re-tokenized by the chat template (no stored token ids)
+
+    @property
+    def broken_logprobs(self) -> bool:
+        """A sampled token's stored logprob is null, non-finite or a stand-in: no ratio of it is trusted."""
+        return self.old is not None and any(math.isnan(x) for x in self.old)
+
+
+def read_choice(tokenizer: Any, comp: CompletionData, choice: int) -> Choice:
+    """Choice `choice` of `comp`: its stored prompt and sampled ids with their logprobs, or, stored
+    without token ids, the chat template's rebuild (no logprobs). Shared by the per-call samples
+    (`build_samples`) and the merged segments (segments.build_segments)."""
+    tokens = comp.token_ids[choice] if comp.token_ids and choice < len(comp.token_ids) else None
+    prompt = prompt_ids(comp, choice)
+    if prompt is not None and tokens is not None:
+        return Choice(prompt, list(tokens), _old_logprobs(comp, choice, len(tokens)), rebuilt=False)
+    prompt, completion = rebuild_with_template(tokenizer, comp, choice)
+    return Choice(prompt, completion, None, rebuilt=True)
+
+
 def usable(comp: CompletionData) -> bool:
     """True when a completion holds something the model sampled: token ids, or at least a reply.
     A hosted provider's reply (source `hosted`) is another model's text: never a GRPO sample."""
@@ -227,17 +254,11 @@ def build_samples(
                 continue
             n_choices = max(len(comp.token_ids or []), len((comp.response or {}).get("choices") or []), 1)
             for choice in range(n_choices):
-                tokens = comp.token_ids[choice] if comp.token_ids and choice < len(comp.token_ids) else None
-                prompt = prompt_ids(comp, choice)
-                if prompt is not None and tokens is not None:
-                    completion, rebuilt = list(tokens), False
-                    old = _old_logprobs(comp, choice, len(completion))
-                else:
-                    prompt, completion = rebuild_with_template(tokenizer, comp, choice)
-                    rebuilt, old = True, None
+                c = read_choice(tokenizer, comp, choice)
+                prompt, completion, old, rebuilt = c.prompt, c.completion, c.old, c.rebuilt
                 if not completion:
                     continue  # nothing sampled (e.g. cancelled before the first token)
-                if old is not None and any(math.isnan(x) for x in old):
+                if c.broken_logprobs:
                     # like verl's veto: the record does not describe its sampler, so no ratio of it is trusted
                     counts.invalid_logprobs += 1
                     log.warning("run %s: a sampled token has no valid logprob; sample left out", run.run_id)
