@@ -1,9 +1,10 @@
 """Stored completions -> one sample per call -> padded tensors: the per-call form and its helpers.
 
 train_step merges a run's calls into segments (segments.py, rows.py); this per-call form remains for
-what works call by call: the helpers segments.py shares (prompts of a choice, stored logprobs,
-temperature, the chat-template fallback), the baseline groups, SFT (sft.py), and the tests' oracle
-of the per-call gradient (tests/trainer/test_merged_step.py).
+what works call by call: the helpers segments.py shares (a choice's ids and stored logprobs with
+their validity, `read_choice`; temperature; the chat-template fallback), the baseline groups, SFT's
+example reading (sft.py; its forward runs on rows.py's rows), and the tests' oracle of the per-call
+gradient (tests/trainer/test_merged_step.py).
 
 Every choice of every completion of a run is one sample carrying the run's advantage. Its input is
 the exact prompt the server saw plus the tokens it sampled (`prompt_token_ids` + `token_ids`; a
