@@ -1,9 +1,10 @@
 """Stored completions -> one sample per call -> padded tensors: the per-call form and its helpers.
 
 train_step merges a run's calls into segments (segments.py, rows.py); this per-call form remains for
-what works call by call: the helpers segments.py shares (prompts of a choice, stored logprobs,
-temperature, the chat-template fallback), the baseline groups, SFT (sft.py), and the tests' oracle
-of the per-call gradient (tests/trainer/test_merged_step.py).
+what works call by call: the helpers segments.py shares (a choice's ids and stored logprobs with
+their validity, `read_choice`; temperature; the chat-template fallback), the baseline groups, SFT's
+example reading (sft.py; its forward runs on rows.py's rows), and the tests' oracle of the per-call
+gradient (tests/trainer/test_merged_step.py).
 
 Every choice of every completion of a run is one sample carrying the run's advantage. Its input is
 the exact prompt the server saw plus the tokens it sampled (`prompt_token_ids` + `token_ids`; a
@@ -190,6 +191,33 @@ def _old_logprobs(comp: CompletionData, choice: int, n: int) -> list[float] | No
     return [float(x) if x is not None and LOGPROB_FLOOR < float(x) < math.inf else math.nan for x in lps]
 
 
+@dataclass
+class Choice:
+    """One choice of a stored completion as training reads it: exact ids, or the template's fallback."""
+
+    prompt: list[int]
+    completion: list[int]
+    old: list[float] | None  # stored sampling logprobs (NaN entries where broken); None when absent
+    rebuilt: bool  # re-tokenized by the chat template (no stored token ids)
+
+    @property
+    def broken_logprobs(self) -> bool:
+        """A sampled token's stored logprob is null, non-finite or a stand-in: no ratio of it is trusted."""
+        return self.old is not None and any(math.isnan(x) for x in self.old)
+
+
+def read_choice(tokenizer: Any, comp: CompletionData, choice: int) -> Choice:
+    """Choice `choice` of `comp`: its stored prompt and sampled ids with their logprobs, or, stored
+    without token ids, the chat template's rebuild (no logprobs). Shared by the per-call samples
+    (`build_samples`) and the merged segments (segments.build_segments)."""
+    tokens = comp.token_ids[choice] if comp.token_ids and choice < len(comp.token_ids) else None
+    prompt = prompt_ids(comp, choice)
+    if prompt is not None and tokens is not None:
+        return Choice(prompt, list(tokens), _old_logprobs(comp, choice, len(tokens)), rebuilt=False)
+    prompt, completion = rebuild_with_template(tokenizer, comp, choice)
+    return Choice(prompt, completion, None, rebuilt=True)
+
+
 def usable(comp: CompletionData) -> bool:
     """True when a completion holds something the model sampled: token ids, or at least a reply.
     A hosted provider's reply (source `hosted`) is another model's text: never a GRPO sample."""
@@ -227,17 +255,11 @@ def build_samples(
                 continue
             n_choices = max(len(comp.token_ids or []), len((comp.response or {}).get("choices") or []), 1)
             for choice in range(n_choices):
-                tokens = comp.token_ids[choice] if comp.token_ids and choice < len(comp.token_ids) else None
-                prompt = prompt_ids(comp, choice)
-                if prompt is not None and tokens is not None:
-                    completion, rebuilt = list(tokens), False
-                    old = _old_logprobs(comp, choice, len(completion))
-                else:
-                    prompt, completion = rebuild_with_template(tokenizer, comp, choice)
-                    rebuilt, old = True, None
+                c = read_choice(tokenizer, comp, choice)
+                prompt, completion, old, rebuilt = c.prompt, c.completion, c.old, c.rebuilt
                 if not completion:
                     continue  # nothing sampled (e.g. cancelled before the first token)
-                if old is not None and any(math.isnan(x) for x in old):
+                if c.broken_logprobs:
                     # like verl's veto: the record does not describe its sampler, so no ratio of it is trusted
                     counts.invalid_logprobs += 1
                     log.warning("run %s: a sampled token has no valid logprob; sample left out", run.run_id)

@@ -8,7 +8,8 @@ KL term is the same weights with the adapter switched off, so it costs no memory
 
 train_step runs `row_logprobs`: the decoder body on merged rows, then the LM head only at the
 positions that predict trained tokens, in checkpointed chunks (no (B, T, V) logits). The per-call
-`completion_logits` / `token_logprobs` (B, C, V) remain for SFT and for the tests' per-call oracle.
+`completion_logits` / `token_logprobs` (B, C, V) remain for the benches and the tests' per-call
+oracle; SFT (sft.py) runs `row_logprobs` too.
 This file is over 300 lines because it holds both forms of the one policy's forward.
 """
 
@@ -256,8 +257,10 @@ def row_hidden_states(model: Any, rows: Rows) -> Tensor:
     return decoder(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
 
 
-def _head_chunk(head: Any, h: Tensor, targets: Tensor, inv_temp: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp at T, raw logp at T = 1, entropy at T) of n positions: (n, H) -> three (n,)."""
+def _head_chunk(
+    head: Any, h: Tensor, targets: Tensor, inv_temp: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logp at T, raw logp at T = 1, entropy at T, target is argmax) of n positions: (n, H) -> 4 x (n,)."""
     z = head(h).float()  # (n, V)
     zt = z * inv_temp.unsqueeze(-1)
     lse = torch.logsumexp(zt, dim=-1)  # (n,)
@@ -266,16 +269,18 @@ def _head_chunk(head: Any, h: Tensor, targets: Tensor, inv_temp: Tensor) -> tupl
         raw = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
         p = torch.exp(zt - lse.unsqueeze(-1))
         entropy = lse - torch.where(p > 0, p * zt, 0.0).sum(-1)  # a -inf logit adds 0, not NaN
-    return logp, raw, entropy
+        top = z.argmax(-1) == targets  # SFT's token accuracy
+    return logp, raw, entropy, top
 
 
-def row_logprobs(model: Any, rows: Rows, chunk: int = HEAD_CHUNK) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, raw, entropy), each (N,), of the rows' trained tokens; never a (B, T, V) tensor.
+def row_logprobs(model: Any, rows: Rows, chunk: int = HEAD_CHUNK) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logp, raw, entropy, top), each (N,), of the rows' trained tokens; never a (B, T, V) tensor.
 
-    logp is log_softmax(z / T)[y] with gradient, T its call's temperature; raw the same at T = 1 and
-    entropy the tempered distribution's (both without gradient). The hidden states that predict
-    trained tokens are gathered (N, H) and the LM head + log-softmax run `chunk` positions at a time
-    under activation checkpointing: backward recomputes each chunk's logits instead of keeping them.
+    logp is log_softmax(z / T)[y] with gradient, T its call's temperature; raw the same at T = 1,
+    entropy the tempered distribution's and top whether y is the argmax (all three without gradient).
+    The hidden states that predict trained tokens are gathered (N, H) and the LM head + log-softmax
+    run `chunk` positions at a time under activation checkpointing: backward recomputes each chunk's
+    logits instead of keeping them.
     """
     _, head = _body_and_head(model)
     h = row_hidden_states(model, rows)  # (B, T, H)
@@ -294,9 +299,9 @@ def row_logprobs(model: Any, rows: Rows, chunk: int = HEAD_CHUNK) -> tuple[Tenso
             parts.append(_head_chunk(head, *args))
     if not parts:
         empty = torch.zeros(0, device=device)
-        return empty, empty, empty
-    logp, raw, entropy = (torch.cat(x) for x in zip(*parts, strict=True))
-    return logp, raw, entropy
+        return empty, empty, empty, empty.bool()
+    logp, raw, entropy, top = (torch.cat(x) for x in zip(*parts, strict=True))
+    return logp, raw, entropy, top
 
 
 @torch.no_grad()

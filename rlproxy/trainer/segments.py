@@ -52,14 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlproxy.storage.training import RunData
-from rlproxy.trainer.batches import (
-    _finish_reason,
-    _old_logprobs,
-    prompt_ids,
-    rebuild_with_template,
-    sampling_temperature,
-    usable,
-)
+from rlproxy.trainer.batches import _finish_reason, read_choice, sampling_temperature, usable
 
 log = logging.getLogger(__name__)
 
@@ -201,14 +194,8 @@ def build_segments(
             stale = max_policy_lag is not None and current_step - (comp.policy_step or 0) > max_policy_lag
             base: tuple[Segment, int] | None = None  # where choice 0 went: (segment, prompt end)
             for choice in range(n_choices):
-                tokens = comp.token_ids[choice] if comp.token_ids and choice < len(comp.token_ids) else None
-                prompt = prompt_ids(comp, choice)
-                if prompt is not None and tokens is not None:
-                    completion, rebuilt = list(tokens), False
-                    old = _old_logprobs(comp, choice, len(completion))
-                else:
-                    prompt, completion = rebuild_with_template(tokenizer, comp, choice)
-                    rebuilt, old = True, None
+                c = read_choice(tokenizer, comp, choice)
+                prompt, completion, old, rebuilt = c.prompt, c.completion, c.old, c.rebuilt
                 if not completion:
                     continue
                 if len(prompt) >= max_seq_len:
@@ -223,7 +210,7 @@ def build_segments(
                 if stale:
                     counts.stale += 1
                     trained = False
-                elif old is not None and any(math.isnan(x) for x in old):
+                elif c.broken_logprobs:
                     counts.invalid_logprobs += 1
                     log.warning(
                         "run %s: a sampled token has no valid logprob; call kept as context only", run.run_id

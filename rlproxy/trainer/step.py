@@ -167,7 +167,7 @@ def train_step(
     for batch, ref_logp in zip(batches, ref, strict=True):
         if not batch.num_tokens:
             continue  # nothing trained in it (a sampled token at position 0 has nothing to predict it)
-        logp, raw, entropy = row_logprobs(model, batch)  # (N,) the tempered policy; raw at T = 1; entropy
+        logp, raw, entropy, _ = row_logprobs(model, batch)  # (N,) the tempered policy; raw at T = 1; entropy
         stored = batch.old_logp.to(logp.device)
         old_logp = losses.behavior_logprobs(logp, raw, stored, config.sampling_logprobs)
         loss, m = losses.token_policy_loss(

@@ -191,7 +191,7 @@ def test_shared_prefix_runs_once_same_values_and_gradients(policy) -> None:
         assert rows.shared == 20  # the group's task prompt
         if not shared:
             rows.shared = 0
-        logp, raw, ent = row_logprobs(model, rows)
+        logp, raw, ent, _ = row_logprobs(model, rows)
         (logp * rows.advantages).sum().backward()
         results.append((logp.detach(), ent, [p.grad.clone() for p in lora(model)]))
         for p in lora(model):

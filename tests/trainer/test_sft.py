@@ -32,10 +32,13 @@ from rlproxy.cli import processes
 from rlproxy.inference.embedded import EmbeddedBackend
 from rlproxy.settings import Settings
 from rlproxy.storage.leader import LeaderLock
+from rlproxy.trainer.batches import Sample, collate
 from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.losses import sampled_logprobs
+from rlproxy.trainer.model import completion_logits, load_policy
 from rlproxy.trainer.offline import run_sft
 from rlproxy.trainer.service import STEPS_LOCK, TrainerService
-from rlproxy.trainer.sft import chat_example, read_chats, sft_loss
+from rlproxy.trainer.sft import SFTExample, chat_example, read_chats, sft_batches, sft_loss, sft_micro_loss
 
 RLPROXY = str(Path(sys.executable).parent / "rlproxy")
 WORDS = (
@@ -140,6 +143,72 @@ def test_sft_loss_is_the_token_mean_nll() -> None:
     assert m["loss/nll"] == pytest.approx(nll.item() / 3)
     loss, _ = sft_loss(logp, mask, total_tokens=6)  # one micro-batch of a step holding 6 learned tokens
     assert loss.item() == pytest.approx(nll.item() / 6)
+
+
+def _old_sft_loss(model: Any, examples: list[SFTExample], size: int, pad_id: int) -> tuple[float, float]:
+    """The SFT loss and token accuracy as sft_step computed them before it used row_logprobs: left-padded
+    context + right-padded target, full (B, C, V) logits (completion_logits). The oracle; backward runs."""
+    total = sum(e.num_tokens for e in examples)
+    loss_sum, correct = 0.0, 0.0
+    for i in range(0, len(examples), size):
+        chunk = examples[i : i + size]
+        samples = [Sample("", 0.0, e.context, e.target, [0.0] * len(e.target)) for e in chunk]
+        batch = collate(samples, pad_id)
+        mask = torch.zeros_like(batch.mask)
+        for row, e in enumerate(chunk):
+            mask[row, : len(e.mask)] = torch.tensor(e.mask)
+        logits = completion_logits(model, batch)  # (B, C, V)
+        logp = sampled_logprobs(logits, batch.completion_ids)
+        correct += ((logits.detach().argmax(-1) == batch.completion_ids).float() * mask).sum().item()
+        loss, _ = sft_loss(logp, mask, total)
+        loss.backward()
+        loss_sum += loss.item()
+    return loss_sum, correct
+
+
+def test_sft_loss_from_chunked_head_equals_full_logits(tiny_model_dir: Path, tiny_tokenizer: Any) -> None:
+    """sft_step's loss, gradient and accuracy from the GRPO step's chunked head (row_logprobs) are the
+    ones the full (B, C, V) logits gave (<= 1e-6), with a shared prefix, masked turns and a token budget
+    that splits the step into several micro-batches."""
+    model, tok = load_policy(str(tiny_model_dir), TrainerConfig(seed=0))
+    with torch.no_grad():  # a non-zero adapter
+        torch.manual_seed(1)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(0)
+    examples = [chat_example(tiny_tokenizer, c["messages"]) for c in CHATS[:5]]
+    multi = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello there"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "See you"},
+    ]
+    examples.append(chat_example(tiny_tokenizer, multi))  # context turns inside the target: mask 0
+    for n in (3, 9, 17):  # stored-run shape: random prompt, every sampled token learned
+        ctx = torch.randint(10, 250, (n,), generator=g).tolist()
+        tgt = torch.randint(10, 250, (n // 2 + 2,), generator=g).tolist()
+        examples.append(SFTExample(ctx, tgt, [1.0] * len(tgt)))
+    assert any(0.0 in e.mask for e in examples)
+    old_loss, old_correct = _old_sft_loss(model, examples, 4, tok.pad_token_id)
+    old_grads = [p.grad.clone() for p in lora]
+    for p in lora:
+        p.grad = None
+
+    batches = sft_batches(examples, 4, tok.pad_token_id, max_tokens=150)
+    assert len(batches) > 3 and any(b.shared for b in batches)
+    total = int(sum(b.weight.sum().item() for b in batches))
+    assert total == sum(e.num_tokens for e in examples)
+    new_loss, new_correct = 0.0, 0.0
+    for b in batches:
+        loss, right = sft_micro_loss(model, b, total)
+        loss.backward()
+        new_loss, new_correct = new_loss + loss.item(), new_correct + right
+    assert abs(new_loss - old_loss) <= 1e-6, (new_loss, old_loss)
+    assert new_correct == old_correct
+    for new, old in zip((p.grad for p in lora), old_grads, strict=True):
+        assert torch.allclose(new, old, atol=1e-6, rtol=0), (new - old).abs().max()
 
 
 # ------------------------------------------------------------------------------- through the proxy
