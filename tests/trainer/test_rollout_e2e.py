@@ -103,7 +103,13 @@ async def test_canary_promotes_a_good_step_and_rolls_back_a_broken_one(
                 done = rows(db, "SELECT count(*) FROM rollouts WHERE candidate_step = 3")[0][0]
                 if done:
                     break
-            metrics = (await http.get("/metrics")).text
+            # the router learns of step 3's canary at its next look (policy_poll_interval): wait for it
+            gauge = 'rlproxy_rollout_step{arm="incumbent",policy="' + policy + '"} 1.0'
+            for _ in range(100):
+                metrics = (await http.get("/metrics")).text
+                if gauge in metrics:
+                    break
+                await asyncio.sleep(0.1)
     got = rows(db, "SELECT candidate_step, incumbent_step, status, decided_by FROM rollouts ORDER BY id")
     assert got == [(1, 0, "promoted", "rule"), (2, 1, "rolled_back", "rule"), (3, 1, "canary", None)], got
     reasons = rows(db, "SELECT reason, candidate_runs, incumbent_runs FROM rollouts ORDER BY id")
