@@ -267,20 +267,24 @@ async def responses(request: Request) -> Response:
     return JSONResponse(answer)
 
 
+async def _messages_chat(request: Request, convert: Any) -> dict:
+    """A Messages body read and `convert`ed to its chat form; a 400 of Anthropic's type if it is none."""
+    body = await _json(request)
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", type="invalid_request_error")
+    try:
+        return convert(body)
+    except anthropic.MessagesInputError as exc:
+        raise APIError(400, str(exc), type="invalid_request_error", param=exc.param) from exc
+
+
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     """Anthropic's Messages API over the chat path (`rlproxy.wire.messages`); errors in Anthropic's
     shape; `max_tokens` past what the context leaves is clamped to it (as the proxy does)."""
     engine = _engine(request)
     try:
-        body = await _json(request)
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object", type="invalid_request_error")
-        try:
-            chat_dict = anthropic.chat_request(body)
-        except anthropic.MessagesInputError as exc:
-            raise APIError(400, str(exc), type="invalid_request_error", param=exc.param) from exc
-        chat_body: ChatBody = _validate(ChatBody, chat_dict)
+        chat_body: ChatBody = _validate(ChatBody, await _messages_chat(request, anthropic.chat_request))
         adapter = _adapter_for(engine, chat_body.model)
         prompt = _chat_prompt(engine, chat_body)
         if len(prompt) + (chat_body.max_tokens or 0) > engine.max_model_len:
@@ -306,13 +310,7 @@ async def count_message_tokens(request: Request) -> Response:
     """`{"input_tokens": N}`: the prompt of the Messages body's chat form, through the chat template."""
     engine = _engine(request)
     try:
-        body = await _json(request)
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object", type="invalid_request_error")
-        try:
-            chat = anthropic.count_request(body)
-        except anthropic.MessagesInputError as exc:
-            raise APIError(400, str(exc), type="invalid_request_error", param=exc.param) from exc
+        chat = await _messages_chat(request, anthropic.count_request)
         _adapter_for(engine, chat.get("model"))
         prompt = _chat_prompt(engine, _validate(ChatBody, chat))
     except APIError as exc:
