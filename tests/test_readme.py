@@ -28,10 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer.rich_utils
 from proxy.proxy_helpers import ProxyServer
 from readme_blocks import Block, blocks, cli_lines
 from support import require
+from typer.testing import CliRunner
 
+from rlproxy.cli.main import app
 from rlproxy.proxy.rules import rules_markdown
 from rlproxy.settings import Settings, settings_markdown
 from tests.storage.test_readme_queries import QUERIES
@@ -347,11 +350,13 @@ def test_every_block_kind_is_run_somewhere() -> None:
 
 @cache
 def _help(words: tuple[str, ...]) -> tuple[int, str]:
-    env = _env(COLUMNS="250", TERM="dumb", NO_COLOR="1")
-    out = subprocess.run(
-        [str(BIN / "rlproxy"), *words, "--help"], capture_output=True, text=True, env=env, timeout=120
-    )
-    return out.returncode, out.stdout + out.stderr
+    """`rlproxy WORDS --help`, in process (the entry point itself is tests/cli/test_cli_help.py's)."""
+    width, typer.rich_utils.MAX_WIDTH = typer.rich_utils.MAX_WIDTH, 250
+    try:
+        out = CliRunner().invoke(app, [*words, "--help"])
+    finally:
+        typer.rich_utils.MAX_WIDTH = width
+    return out.exit_code, out.output
 
 
 def _command(words: list[str]) -> tuple[str, ...]:

@@ -513,6 +513,14 @@ def demo(
             "then RL (three rungs: base, after SFT, after RL)"
         ),
     ] = False,
+    max_groups: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="stop after this many groups, one trainer step each (a step budget; --teacher: RL groups "
+            "after the SFT step, default 20)",
+        ),
+    ] = None,
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
     from rlproxy.demo.run import TASKS, run_demo  # lazy: the demo and its clients
@@ -525,7 +533,7 @@ def demo(
 
         run_distill_demo(
             minutes=minutes, model=model, out_dir=out_dir, fast=fast, seed=seed, group_size=group_size,
-            learning_rate=learning_rate, echo=typer.echo,
+            learning_rate=learning_rate, rl_groups=max_groups, echo=typer.echo,
         )  # fmt: skip
         return
     summary = run_demo(
@@ -541,6 +549,7 @@ def demo(
         goal=TASKS[task].GOAL,
         echo=typer.echo,
         rollout=rollout,
+        max_groups=max_groups,
     )
     goal = TASKS[task].GOAL
     if not fast and (summary.get("improvement") or 0.0) < goal:

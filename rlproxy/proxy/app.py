@@ -107,6 +107,7 @@ def create_app(state: ProxyState) -> FastAPI:
         )
         state.metrics.attach_writer(state.writer, settings.store_unhealthy_after)
         state.runs = RunState(state.engine, poll_interval=settings.run_state_poll_interval)
+        state.metrics.attach_runs(state.runs)
         await state.writer.start()
         # Before serving: store what a killed predecessor's clients received but it never committed.
         await state.writer.recover(timeout=settings.store_unhealthy_after)

@@ -29,6 +29,7 @@ class _WriterCollector:
 
     def __init__(self) -> None:
         self.writer = None
+        self.runs = None  # runstate.RunState
         self.unhealthy_after = 30.0
 
     def collect(self):
@@ -46,6 +47,18 @@ class _WriterCollector:
                 "rlproxy_captured_rows",
                 "completions rows committed by the writer",
                 num("rows_written"),
+            ),
+            (
+                CounterMetricFamily,
+                "rlproxy_write_commits",
+                "transactions the writer committed (rows_written / commits: rows per batch)",
+                num("commits"),
+            ),
+            (
+                CounterMetricFamily,
+                "rlproxy_late_turns",
+                "turns admitted to a run the background check then found closed (stored, never trained)",
+                float(getattr(self.runs, "late", 0)),
             ),
             (
                 CounterMetricFamily,
@@ -206,6 +219,10 @@ class Metrics:
         """Report `writer`'s figures; the store counts as unhealthy after `unhealthy_after` s stalled."""
         self._writer.writer = writer
         self._writer.unhealthy_after = unhealthy_after
+
+    def attach_runs(self, runs) -> None:
+        """Report `runs`' (a `runstate.RunState`) late turns."""
+        self._writer.runs = runs
 
     def observe(self, endpoint: str, status: str, latency_s: float, ttft_s: float | None = None) -> None:
         """Count one request (label children cached: this runs on every request)."""
