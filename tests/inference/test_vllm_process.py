@@ -93,8 +93,11 @@ def test_clean_stop_disarms_the_reaper(tmp_path: Path) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_parent_dying_of_a_signal_it_does_not_handle_leaves_nothing(tmp_path: Path, sig: int) -> None:
     log = tmp_path / "vllm.log"
+    # the default disposition is set before "ready": a signal sent earlier would find the one inherited
+    # (pytest-xdist's workers ignore SIGINT, and so would the parent, sleeping out its 600 s)
     code = PARENT.replace(
-        "time.sleep(600)", f"import signal; signal.signal({int(sig)}, signal.SIG_DFL); time.sleep(600)"
+        'print("ready", flush=True)',
+        f'import signal; signal.signal({int(sig)}, signal.SIG_DFL); print("ready", flush=True)',
     )
     parent = subprocess.Popen(
         [sys.executable, "-c", code, STAND_IN, str(log)], stdout=subprocess.PIPE, text=True
