@@ -60,6 +60,7 @@ GOAL = 0.3  # last-3 minus first-3 mean reward that counts as learned
 ANSWER_WEIGHT = 0.35  # per extension in the final answer
 CALL_WEIGHT = 0.1  # per person looked up with a well-formed call
 ATTEMPT_WEIGHT = 0.1  # once, for any reply that starts a <tool_call> block (well-formed or not)
+MAX_REWARD = round(2 * ANSWER_WEIGHT + 2 * CALL_WEIGHT + ATTEMPT_WEIGHT, 6)  # an episode done right
 
 DIRECTORY: dict[str, dict[str, str]] = {
     "Alice": {"team": "sales", "extension": "4821"},

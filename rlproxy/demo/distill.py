@@ -14,7 +14,10 @@ model on the good ones, then RL from there. Everything goes through one `rlproxy
      user runs it): the teacher's conversations in the student's chat template, assistant turns only.
      `serve` picks up `student@1` within its poll. Rung `sft`: the same fresh prompts.
   4. RL: groups of the same task on new prompts with model `student`: the trainer continues from the
-     distilled adapter, one GRPO step per group. Rung `rl`: the same fresh prompts again.
+     distilled adapter, one GRPO step per group. Rung `rl`: the same fresh prompts again. RL stops
+     early when CEILING_GROUPS groups in a row scored the best reward on every episode: equal
+     rewards carry no gradient (measured: after SFT on 32 teacher episodes SmolLM2-135M scores 1.0
+     on fresh prompts, so every RL group is skipped as zero-variance).
 
 Each rung stores its mean reward and each component separately: `well_formed_call` (episodes in which
 the server parsed a lookup tool call from a reply), `correct_lookup` (the two people looked up), and
@@ -60,6 +63,7 @@ STUDENT = "student"
 TEACHER_EPISODES = 32  # the teacher's conversations the student learns from
 EVAL_EPISODES = 16  # fresh prompts per rung (validation runs)
 RL_GROUPS = 20  # trainer steps at most after the SFT step
+CEILING_GROUPS = 3  # RL stops after this many groups in a row scored the best reward on every episode
 SFT_EPOCHS = 4
 SFT_BATCH = 8
 SFT_LR = 1e-3  # LoRA r=8 on SmolLM2-135M: the trainer's measured rate for the model size
@@ -174,6 +178,14 @@ def run_distill_demo(
                     stop_reason = "time"
                     break
                 rl_rows.append(_rl_group(client, http, base, g, pair, group_size, seed, echo))
+                if at_ceiling(rl_rows):
+                    stop_reason = "ceiling"
+                    echo(
+                        f"RL stops: the last {CEILING_GROUPS} groups scored {directory.MAX_REWARD:g} on "
+                        "every episode. Equal rewards carry no gradient (each group is skipped as "
+                        "zero-variance), so GRPO has nothing left to learn on this task."
+                    )
+                    break
             timings["rl"] = round(time.monotonic() - t0, 1)
             rungs.append(evaluate(client, base, STUDENT, "rl", eval_pairs, seed, echo))
     except KeyboardInterrupt:
@@ -211,6 +223,15 @@ def run_distill_demo(
         f"summary: {out / 'summary.json'}"
     )
     return summary
+
+
+def at_ceiling(rows: list[dict[str, Any]], n: int = CEILING_GROUPS) -> bool:
+    """The last `n` RL groups each scored the task's best reward on every episode, so the trainer
+    skipped them as zero-variance: RL has no gradient left to follow (a group of equal rewards)."""
+    last = rows[-n:]
+    return len(last) == n and all(
+        r["status"] == "skipped" and (r["mean_reward"] or 0.0) >= directory.MAX_REWARD - 1e-9 for r in last
+    )
 
 
 def _distill(

@@ -68,3 +68,23 @@ def test_fast_directory_demo_measures_rungs(
     assert con.execute(
         "SELECT count(*) FROM runs WHERE split = 'val' AND status != 'validated'"
     ).fetchone() == (0,)
+
+
+def _group(reward: float, status: str) -> dict[str, object]:
+    return {"mean_reward": reward, "status": status}
+
+
+def test_rl_stops_only_after_groups_in_a_row_at_the_best_reward() -> None:
+    from rlproxy.demo import directory
+    from rlproxy.demo.distill import CEILING_GROUPS, at_ceiling
+
+    best = directory.MAX_REWARD
+    assert best == 1.0  # two extensions, two lookups, one attempt: the weights add up
+    flat = [_group(best, "skipped")] * CEILING_GROUPS
+    assert at_ceiling(flat)
+    assert not at_ceiling(flat[1:])  # not yet that many in a row
+    assert not at_ceiling([*flat[:-1], _group(best, "trained")])  # a trained group: RL still moves
+    assert not at_ceiling([*flat[:-1], _group(0.0, "skipped")])  # all zero: variance may come later
+    assert not at_ceiling([*flat[:-1], _group(0.95, "skipped")])  # equal but not the best
+    assert not at_ceiling([*flat[:-1], _group(None, "failed")])
+    assert at_ceiling([_group(0.3, "trained"), *flat])  # only the last ones count
