@@ -513,6 +513,13 @@ def demo(
             "then RL (three rungs: base, after SFT, after RL)"
         ),
     ] = False,
+    teacher_episodes: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="--teacher: the teacher's episodes the student is distilled from (default 32)",
+        ),
+    ] = None,
     max_groups: Annotated[
         int | None,
         typer.Option(
@@ -526,6 +533,8 @@ def demo(
     from rlproxy.demo.run import TASKS, run_demo  # lazy: the demo and its clients
 
     _logging("warning")
+    if teacher_episodes is not None and not teacher:
+        raise typer.BadParameter("--teacher-episodes is the distill demo's: add --teacher")
     if teacher:
         if task != "directory":
             raise typer.BadParameter("--teacher runs the directory task: add --task directory")
@@ -533,7 +542,8 @@ def demo(
 
         run_distill_demo(
             minutes=minutes, model=model, out_dir=out_dir, fast=fast, seed=seed, group_size=group_size,
-            learning_rate=learning_rate, rl_groups=max_groups, echo=typer.echo,
+            learning_rate=learning_rate, rl_groups=max_groups, teacher_episodes=teacher_episodes,
+            echo=typer.echo,
         )  # fmt: skip
         return
     summary = run_demo(

@@ -40,6 +40,18 @@ def test_max_groups_is_the_distill_demos_rl_budget(calls: dict[str, dict[str, An
     result = runner.invoke(app, ["demo", "--task", "directory", "--teacher", "--max-groups", "5"])
     assert result.exit_code == 0, result.output
     assert calls["distill"]["rl_groups"] == 5 and "rl" not in calls
+    assert calls["distill"]["teacher_episodes"] is None  # the demo's own default (32)
+
+
+def test_teacher_episodes_reach_the_distill_demo(calls: dict[str, dict[str, Any]]) -> None:
+    result = runner.invoke(app, ["demo", "--task", "directory", "--teacher", "--teacher-episodes", "8"])
+    assert result.exit_code == 0, result.output
+    assert calls["distill"]["teacher_episodes"] == 8
+
+
+def test_teacher_episodes_without_teacher_is_a_usage_error(calls: dict[str, dict[str, Any]]) -> None:
+    result = runner.invoke(app, ["demo", "--task", "directory", "--teacher-episodes", "8"])
+    assert result.exit_code == 2 and "--teacher" in result.output and not calls
 
 
 def test_no_max_groups_keeps_each_demos_default(calls: dict[str, dict[str, Any]]) -> None:
