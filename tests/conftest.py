@@ -130,12 +130,3 @@ def vllm_backend(tiny_model_dir: Path, cache_dir: Path, tmp_path_factory: pytest
         yield backend
     finally:
         asyncio.run(backend.stop())
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks into the test ids
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test` runs two workers): every test of the real vLLM server on one
-    worker (`--dist loadgroup`), so the session starts that server once, not once per worker."""
-    for item in items:
-        if "vllm_backend" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("vllm"))
