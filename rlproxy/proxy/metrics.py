@@ -56,12 +56,6 @@ class _WriterCollector:
             ),
             (
                 CounterMetricFamily,
-                "rlproxy_late_turns",
-                "turns admitted to a run the background check then found closed (stored, never trained)",
-                float(getattr(self.runs, "late", 0)),
-            ),
-            (
-                CounterMetricFamily,
                 "rlproxy_write_errors",
                 "failed write attempts of the writer",
                 num("write_errors"),
@@ -113,6 +107,13 @@ class _WriterCollector:
             family = kind(name, doc)
             family.add_metric([], value)
             out.append(family)
+        if self.runs is not None:  # only once attached: a missing hookup shows as a missing metric
+            late = CounterMetricFamily(
+                "rlproxy_late_turns",
+                "turns admitted to a run the background check then found closed (stored, never trained)",
+            )
+            late.add_metric([], float(self.runs.late))
+            out.append(late)
         # the writer's last failure in full (admin route; /healthz shows only its class: issue 22)
         last = getattr(w, "last_error", None)
         if last:
