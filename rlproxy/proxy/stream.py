@@ -68,6 +68,7 @@ class StreamRelay(Response):
         self.done = done
         self.ttft: float | None = None
         self.error: str | None = None
+        self.saw_done = False  # the `[DONE]` event: the completion is whole, whatever follows it
         self._reported = False
 
     def _report(self, status: str, code: int) -> None:
@@ -169,7 +170,9 @@ class StreamRelay(Response):
             body = b"".join(out) if rewrite else data
             if last and self.translate is not None:
                 body += self.translate.end()
-            if last:  # journaled before the client can have the whole stream (see storage/journal.py)
+            if last or self.saw_done:  # journaled before the client can have the whole stream
+                # (storage/journal.py); at `[DONE]` too: the openai SDK closes the connection on
+                # it, without waiting for an end of body that comes in a later write
                 self._report("ok", upstream.status_code)
             if body or last:
                 await send({"type": "http.response.body", "body": body, "more_body": not last})
@@ -203,6 +206,8 @@ class StreamRelay(Response):
         """One `data:` line: folded in, and (rewriting) `lines[i]` replaced. What the one-line
         fast path sends; the general path reads only the translation's and an empty chunk's b""."""
         payload = line[5:].strip()
+        if payload == b"[DONE]":
+            self.saw_done = True
         if payload == b"[DONE]" or not payload:
             return b"\n".join(lines) + b"\n\n" if rewrite and self.translate is None else b""
         try:

@@ -544,6 +544,35 @@ def test_stalled_stream_hits_the_idle_timeout(proxy, upstream):
     assert stored["status"] == "error" and stored["status_code"] == 504 and "1 s" in stored["error"]
 
 
+def test_done_then_a_late_end_of_body_is_ok_when_the_sdk_hangs_up_on_done(proxy, upstream):
+    """`[DONE]` in one write, the chunked body's end in a later one (LiteLLM, any server whose
+    framework ends the body in a write of its own): the openai SDK closes the connection on
+    `[DONE]`. The row is `ok` (200) and already stored when the SDK returns, not `cancelled`
+    later (the CI failure of stop 31: a stream's row missing right after the client was done)."""
+    import openai
+
+    async def handler(req, reader, writer):
+        writer.write(SSE_HEAD + b"".join(chunk(e) for e in sse_events(req)))
+        await writer.drain()
+        await asyncio.sleep(1.5)
+        writer.write(b"0\r\n\r\n")
+        return None
+
+    upstream.handler = handler
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, stream=True, extra_headers={"X-Run-Id": "late-end"}
+    )
+    assert [c.choices[0].delta.content for c in stream] == ["t4000 ", "t4001 ", "t4002 ", "t4003 "]
+    first = rows(proxy)
+    assert [(r["status"], r["status_code"], r["token_ids"]) for r in first] == [
+        ("ok", 200, [[4000, 4001, 4002, 4003]])
+    ]
+    time.sleep(2.0)  # the upstream's end of body has come (or the hang-up was noticed): no change
+    assert rows(proxy) == first
+
+
 def test_stream_cut_by_shutdown_is_stored_as_cut(make_proxy, upstream):
     """Issue case 7: a stream still running when the proxy shuts down is stored as `cancelled`
     with the reason, not as `ok`/200 without a finish_reason."""
