@@ -437,6 +437,11 @@ class TrainerSettings(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in backward: less memory, slower (prompts not shared)"
     )
+    share_base_weights: bool = Field(
+        True,
+        description="a trainer in the embedded engine's process puts its LoRA on the engine's own base "
+        "weights (one copy in memory) instead of loading them again",
+    )
     seed: int = Field(0, description="torch seed of the trainer")
     # checkpoints and publishing
     checkpoint_dir: str = Field("checkpoints", description="folder holding {policy}/step-NNNN/ checkpoints")

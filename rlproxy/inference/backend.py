@@ -4,7 +4,8 @@ Both backends (the embedded transformers engine and vLLM) expose the same OpenAI
 API at `base_url` (routes under `/v1/...`, plus vLLM's `/v1/load_lora_adapter` and
 `/v1/unload_lora_adapter`). The proxy forwards to `base_url`; the trainer publishes adapters with
 `load_adapter` (trainer/publish.py, the one door). Neither can tell the backends apart: every
-member a caller uses is declared here.
+member a caller uses is declared here. One capability only the embedded engine has is a protocol
+of its own (`SharesWeights`: its base weights, for a trainer in the same process).
 
 An adapter is served under the name `{policy}@{step}`: the trainer publishes it under that name and
 the proxy routes a policy's requests to it. `adapter_name` builds it and `parse_adapter_name` reads
@@ -13,7 +14,7 @@ it, for both.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 def adapter_name(policy: str, step: int) -> str:
@@ -79,4 +80,14 @@ class Backend(Protocol):
     async def load_adapters_into(self, url: str, adapters: dict[str, str] | None = None) -> None:
         """Give replica `url` (one of `base_urls`, back after an outage) every adapter the backend
         serves, plus `adapters` (name -> folder), before it takes traffic again."""
+        ...
+
+
+@runtime_checkable
+class SharesWeights(Protocol):
+    """A backend whose model lives in this process (the embedded engine): a trainer here can put its
+    LoRA on the same base weight tensors instead of loading a second copy."""
+
+    async def shared_base(self) -> Any:
+        """A module tree of the base model whose parameters are the backend's own tensors."""
         ...

@@ -8,10 +8,13 @@ base weight (the engine runs under inference mode, peft freezes the base for the
 sharing is safe; each side's LoRA weights are its own.
 
 The engine's tree may already hold peft's LoRA layers (`x.base_layer.weight` for `x.weight`); the
-twin gets the plain names and no LoRA.
+twin gets the plain names and no LoRA. The twin's config is a copy: the trainer turns the KV
+cache off in its config, which must not reach the engine's.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -28,8 +31,9 @@ def twin_model(base: torch.nn.Module) -> torch.nn.Module:
     ):
         if ".lora_" not in name:
             source[name.replace(".base_layer.", ".")] = tensor
+    dtype = next(base.parameters()).dtype
     with torch.device("meta"):
-        twin = AutoModelForCausalLM.from_config(base.config, dtype=next(base.parameters()).dtype)
+        twin = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=dtype)
     modules = dict(twin.named_modules())
     made: dict[int, torch.nn.Parameter] = {}  # tied weights (embeddings = LM head) stay one Parameter
     for name, _ in [*twin.named_parameters(remove_duplicate=False)]:
@@ -45,5 +49,5 @@ def twin_model(base: torch.nn.Module) -> torch.nn.Module:
         if name not in source:
             raise ModelError(f"cannot share the base weights: the engine's model has no buffer {name}")
         modules[owner]._buffers[leaf] = source[name]
-    twin.generation_config = base.generation_config
+    twin.generation_config = copy.deepcopy(base.generation_config)
     return twin

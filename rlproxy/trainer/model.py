@@ -38,19 +38,29 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_policy(model_path: str, config: TrainerConfig, adapter_dir: str | None = None) -> tuple[Any, Any]:
+def train_dtype(device: torch.device) -> torch.dtype:
+    """The trainer's weights: bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_policy(
+    model_path: str, config: TrainerConfig, adapter_dir: str | None = None, base: Any = None
+) -> tuple[Any, Any]:
     """(peft model, tokenizer) for `model_path` with a fresh LoRA adapter, or the one saved in `adapter_dir`.
 
     The model is in train mode with only the LoRA weights trainable and the base model's dropout off.
+    `base`: the base model already in memory (the embedded engine's weights, `inference/shared_base.py`),
+    used instead of loading it again; it must be on the trainer's device and dtype.
     """
     from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = pick_device()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are slow
+    dtype = train_dtype(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+        if base is None:
+            base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the base model from {model_path}: {exc}") from exc
     if tokenizer.pad_token_id is None:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from rlproxy.inference.backend import Backend, adapter_name
+from rlproxy.inference.backend import Backend, SharesWeights, adapter_name
 from rlproxy.storage.db import create_engine
 from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.leader import LeaderLock
@@ -59,7 +59,7 @@ from rlproxy.trainer import checkpoint as ckpt
 from rlproxy.trainer.batches import usable
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.culprits import nonfinite_groups
-from rlproxy.trainer.model import load_policy
+from rlproxy.trainer.model import load_policy, pick_device, train_dtype
 from rlproxy.trainer.publish import publish_step, unload_quietly
 from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
 from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, step_columns, train_step
@@ -465,12 +465,28 @@ class TrainerService:
 
     async def _learner(self, policy: str) -> Learner:
         if policy not in self._learners:
-            self._learners[policy] = await self._run(self._load_learner, policy)
+            base = await self._shared_base()
+            self._learners[policy] = await self._run(self._load_learner, policy, base)
         return self._learners[policy]
 
-    def _load_learner(self, policy: str) -> Learner:
+    async def _shared_base(self) -> Any:
+        """The embedded engine's base weights for this trainer's LoRA (one copy in memory), or None:
+        not asked, another process's model (vLLM), or another device or dtype than training wants."""
+        if not self.config.share_base_weights or not isinstance(self.backend, SharesWeights):
+            return None
+        base = await self.backend.shared_base()
+        weight = next(base.parameters())
+        device = pick_device()
+        if weight.device.type != device.type or weight.dtype != train_dtype(device):
+            log.info("base weights not shared: the engine's are %s on %s", weight.dtype, weight.device)
+            return None
+        log.info("the trainer shares the engine's base weights (one copy in memory)")
+        return base
+
+    def _load_learner(self, policy: str, base: Any = None) -> Learner:
         last = ckpt.latest_checkpoint(self.config.checkpoint_dir, policy)
-        model, tokenizer = load_policy(self.backend.model_path, self.config, str(last.path) if last else None)
+        path = str(last.path) if last else None
+        model, tokenizer = load_policy(self.backend.model_path, self.config, path, base=base)
         optimizer = make_optimizer(model, self.config)
         if last is not None:
             ckpt.load_optimizer(last, optimizer)

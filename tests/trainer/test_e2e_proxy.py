@@ -2,7 +2,8 @@
 
 2 groups x 4 runs with varied rewards (+ 1 group whose rewards are all equal) -> one step -> the next
 response carries `X-Policy-Step: 1`, the runs are `trained`, a `training_steps` row exists, and the
-all-equal group ends `skipped`. The app is `build_app` (what `rlproxy serve` runs) on the embedded
+all-equal group ends `skipped`; the trainer trained on the engine's own base weight tensors (one
+copy in memory: issue 21 item 7). The app is `build_app` (what `rlproxy serve` runs) on the embedded
 engine with the tiny model, under a real uvicorn server on a loopback port.
 """
 
@@ -20,6 +21,7 @@ from support import free_port
 from rlproxy.compose import build_app
 from rlproxy.inference.embedded import EmbeddedBackend
 from rlproxy.settings import Settings
+from rlproxy.trainer.service import TrainerService
 
 
 def rows(db: Path, sql: str) -> list[tuple]:
@@ -93,6 +95,12 @@ async def test_rewarded_groups_train_and_publish(tiny_model_dir: Path, tmp_path:
                 await asyncio.sleep(0.05)
             assert step == "1"
             steps = (await http.get("/v1/training/steps")).json()
+            # the learner's base weights are the engine's tensors (`share_base_weights`, on by default)
+            (service,) = [s for s in app.state.proxy.services if isinstance(s, TrainerService)]
+            learner = service._learners[policy]
+            engine_ptrs = {p.data_ptr() for p in backend.engine.adapters.base.parameters()}
+            base_ptrs = {p.data_ptr() for n, p in learner.model.named_parameters() if ".lora_" not in n}
+            assert base_ptrs and base_ptrs <= engine_ptrs
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 60)
