@@ -666,10 +666,12 @@ class Writer:
         """One transaction for the batch, in queue order: each stretch of records is inserted, then
         the reward after it applied (so a reward sees its run's earlier completions). Returns one
         outcome per op (a bool or an exception for a reward, else None)."""
+        items = [op for op in batch if isinstance(op, _Item)]
+        if not items and not any(isinstance(op, _Reward) for op in batch):
+            return [None] * len(batch)  # barriers only: everything before them is committed already
         if self._conn is None:
             self._conn = await connect_write(self._db)
         conn = self._conn
-        items = [op for op in batch if isinstance(op, _Item)]
         outcomes: list[Any] = []
         written = replayed_n = 0
         async with conn.begin():

@@ -104,6 +104,23 @@ async def test_a_reward_joins_the_batch_being_gathered(engine: AsyncEngine) -> N
     await w.close()
 
 
+async def test_a_flush_with_nothing_to_write_commits_no_transaction(engine: AsyncEngine) -> None:
+    """`commits` counts transactions that wrote something (`rlproxy_write_commits_total`): a flush
+    that finds the queue empty (everything before it committed) opens none."""
+    w = Writer(engine, flush_interval=0.01)
+    await w.start()
+    await w.flush()
+    assert w.commits == 0
+    w.submit(rec("a"))
+    await w.flush()
+    assert (w.commits, w.rows_written) == (1, 1)
+    await w.flush()
+    await w.flush()
+    assert w.commits == 1
+    await w.close()
+    assert w.commits == 1
+
+
 async def test_reward_outcomes(engine: AsyncEngine) -> None:
     w = Writer(engine, flush_interval=0.01)
     await w.start()
