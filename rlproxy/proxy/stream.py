@@ -206,9 +206,8 @@ class StreamRelay(Response):
         """One `data:` line: folded in, and (rewriting) `lines[i]` replaced. What the one-line
         fast path sends; the general path reads only the translation's and an empty chunk's b""."""
         payload = line[5:].strip()
-        if payload == b"[DONE]":
-            self.saw_done = True
         if payload == b"[DONE]" or not payload:
+            self.saw_done = self.saw_done or bool(payload)
             return b"\n".join(lines) + b"\n\n" if rewrite and self.translate is None else b""
         try:
             chunk = orjson.loads(payload)

@@ -544,11 +544,32 @@ def test_stalled_stream_hits_the_idle_timeout(proxy, upstream):
     assert stored["status"] == "error" and stored["status_code"] == 504 and "1 s" in stored["error"]
 
 
-def test_done_then_a_late_end_of_body_is_ok_when_the_sdk_hangs_up_on_done(proxy, upstream):
+def _read_until_done_then_hang_up(proxy, run_id: str) -> bytes:
+    """A raw client: one streamed chat request, read until `data: [DONE]`, then close the socket."""
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    ).encode()
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nhost: 127.0.0.1:{proxy.port}\r\ncontent-type: application/json\r\n"
+        f"x-run-id: {run_id}\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+    got = b""
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+        s.sendall(head + body)
+        while b"data: [DONE]" not in got:
+            data = s.recv(65536)
+            assert data, f"closed before [DONE]: {got!r}"
+            got += data
+    return got
+
+
+@pytest.mark.parametrize("client", ["openai-sdk", "raw-socket"])
+def test_done_then_a_late_end_of_body_is_ok_when_the_client_hangs_up_on_done(proxy, upstream, client):
     """`[DONE]` in one write, the chunked body's end in a later one (LiteLLM, any server whose
-    framework ends the body in a write of its own): the openai SDK closes the connection on
-    `[DONE]`. The row is `ok` (200) and already stored when the SDK returns, not `cancelled`
-    later (the CI failure of stop 31: a stream's row missing right after the client was done)."""
+    framework ends the body in a write of its own), and a client that closes the connection on
+    `[DONE]` (the openai SDK does; so does the raw client here). The row is `ok` (200) and already
+    stored when the client is done, not `cancelled` later (the CI failure of stop 31: a stream's
+    row missing right after the client was done)."""
     import openai
 
     async def handler(req, reader, writer):
@@ -559,12 +580,18 @@ def test_done_then_a_late_end_of_body_is_ok_when_the_sdk_hangs_up_on_done(proxy,
         return None
 
     upstream.handler = handler
-    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0)
-    messages = [{"role": "user", "content": "hi"}]
-    stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=4, stream=True, extra_headers={"X-Run-Id": "late-end"}
-    )
-    assert [c.choices[0].delta.content for c in stream] == ["t4000 ", "t4001 ", "t4002 ", "t4003 "]
+    if client == "openai-sdk":
+        sdk = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0)
+        stream = sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            stream=True,
+            extra_headers={"X-Run-Id": "late-end"},
+        )
+        assert [c.choices[0].delta.content for c in stream] == ["t4000 ", "t4001 ", "t4002 ", "t4003 "]
+    else:
+        assert b"t4003" in _read_until_done_then_hang_up(proxy, "late-end")
     first = rows(proxy)
     assert [(r["status"], r["status_code"], r["token_ids"]) for r in first] == [
         ("ok", 200, [[4000, 4001, 4002, 4003]])
