@@ -166,7 +166,8 @@ def wrk(
     """Run wrk; its Lua `done` prints: requests, duration us, non-2xx, socket errors, p50, p99, mean (us)."""
     env = wrk_env(run_id, delay, stream, auth, route, turns)
     threads = 1 if conns == 1 else 2
-    cmd = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds:g}s", "--timeout", "10s", "-s", str(script), url]
+    secs = max(1, round(seconds))  # wrk takes whole seconds only ("-d2.4s" exits 1)
+    cmd = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{secs}s", "--timeout", "10s", "-s", str(script), url]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
     n, dur, non2xx, sockerr, p50, p99, mean = line.split()[1:]

@@ -141,9 +141,14 @@ class RunState:
         return inherited
 
     async def check_unseen(self, batch: int = 500) -> None:
-        """Check the runs admitted unseen since the last look against the store (module doc)."""
-        while self._unseen:
-            ids, self._unseen = self._unseen[:batch], self._unseen[batch:]
+        """Check the runs admitted unseen since the last look against the store (module doc).
+
+        Only the runs queued when it is called: the ones admitted while its queries run wait for
+        the next poll (looping until none was left, it queried back to back under steady traffic,
+        ~60 queries a second for a few runs each, all of it on the serving loop: issue 24)."""
+        pending, self._unseen = self._unseen, []
+        for start in range(0, len(pending), batch):
+            ids = pending[start : start + batch]
             self.lookups += len(ids)
             try:
                 closed = await queries.closed_runs(self.engine, ids)

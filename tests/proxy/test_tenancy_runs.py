@@ -217,3 +217,52 @@ def test_case7_responses_chain_across_two_replicas(tmp_path: Path, pg_db: str, s
     finally:
         for r in (a, b):
             r.stop()
+
+
+def test_the_check_of_unseen_runs_reads_the_store_once_per_poll_under_steady_traffic(tmp_path: Path):
+    """Runs admitted while a check's query runs wait for the next poll. Before, `check_unseen`
+    looped until none was left, so under steady traffic it queried back to back on the serving loop
+    (~60 queries a second of a few runs each, measured under `bench/proxy.py`'s tagged load)."""
+
+    async def scenario() -> tuple[int, int, int]:
+        from sqlalchemy import event
+
+        from rlproxy.proxy.runstate import RunState
+        from rlproxy.storage.db import create_engine, upgrade_async
+
+        url = f"sqlite+aiosqlite:///{tmp_path / 'runs.sqlite'}"
+        await upgrade_async(url)
+        engine = create_engine(url)
+        selects = 0
+
+        @event.listens_for(engine.sync_engine, "before_cursor_execute")
+        def count(conn, cursor, statement, *args) -> None:  # noqa: ANN001
+            nonlocal selects
+            selects += statement.lstrip().upper().startswith("SELECT")
+
+        runs = RunState(engine, poll_interval=60)
+        stop = asyncio.Event()
+
+        async def traffic() -> None:  # a new run every millisecond, as a tagged load admits them
+            n = 0
+            while not stop.is_set():
+                runs.admit(f"r-{n}")
+                n += 1
+                await asyncio.sleep(0.001)
+
+        load = asyncio.create_task(traffic())
+        try:
+            await asyncio.sleep(0.05)
+            queued = len(runs._unseen)
+            # takes the queued runs; new ones keep arriving meanwhile (the old loop never returned)
+            await asyncio.wait_for(runs.check_unseen(), 10)
+            return queued, selects, len(runs._unseen)
+        finally:
+            stop.set()
+            await load
+            await engine.dispose()
+
+    queued, selects, left = asyncio.run(scenario())
+    assert queued > 0
+    assert selects == 1  # one query for the runs queued when the check began (fewer than 500)
+    assert left > 0  # those admitted meanwhile wait for the next poll
