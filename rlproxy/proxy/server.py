@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,13 +260,25 @@ def _closing_send(cycle: Any, send: Any) -> Any:
     sent before its request's body was read whole (400, 401, 413: the rest is not read, the
     connection is closed, see on_response_complete), and every 500 (uvicorn closes the connection
     after an application error). A pooled client then opens a new connection for its next request
-    instead of writing into one that is closing (ECONNRESET)."""
+    instead of writing into one that is closing (ECONNRESET).
+
+    Stored as `cycle.send`, it holds the cycle weakly and calls its class's `send`: a closure over
+    the cycle (or over its bound `send`) made every request's cycle a reference cycle, left to the
+    garbage collector (issue 24)."""
+    ref = weakref.ref(cycle)
+    unbound = type(cycle).send
+    if getattr(send, "__func__", None) is not unbound:  # not uvicorn's own: wrapped as it is
+        unbound = None
 
     async def closing_send(message: Any) -> None:
-        if message["type"] == "http.response.start" and (cycle.more_body or message["status"] == 500):
-            cycle.keep_alive = False  # uvicorn then writes `connection: close` and closes after it
-        await send(message)
+        c = ref()
+        if c is None:  # the request is over: nothing holds its cycle any more
+            return
+        if message["type"] == "http.response.start" and (c.more_body or message["status"] == 500):
+            c.keep_alive = False  # uvicorn then writes `connection: close` and closes after it
+        await (unbound(c, message) if unbound is not None else wrapped(message))
 
+    wrapped = None if unbound is not None else send
     return closing_send
 
 
