@@ -23,8 +23,8 @@ a trainer sharing its store). The event loop's lag is the proxy's own histogram
        and p99 (goal, tagged: p50 <= 0.3 ms, p99 <= 2 ms) and loop lag p99 (goal <= 1 ms).
     2. delay 50 ms (a model's pace), concurrency 64, chat and Responses, stream and not, tagged with
        rewards flowing: throughput via proxy / direct (goal >= 0.95).
-    3. CPU seconds of the proxy process per 1,000 requests (goal <= 0.35 tagged non-stream chat,
-       stream <= 1.5x that).
+    3. CPU seconds of the proxy (its serving and writer processes together) per 1,000 requests
+       (goal <= 0.35 tagged non-stream chat, stream <= 1.5x that).
     4. rows stored == requests the proxy forwarded, in every case; every reward answered 200.
     5. `POST /v1/responses` (served over the upstream's chat completions) against the equivalent
        chat request sent directly, so "added" includes the translation both ways.
@@ -399,8 +399,24 @@ class Proxy:
         self.ps = psutil.Process(self.proc.pid)
 
     def cpu(self) -> float:
+        """CPU seconds of `rlproxy serve` and its writer process (storage/writer_link.py), together."""
+        return self.serving_cpu() + self.writer_cpu()
+
+    def serving_cpu(self) -> float:
         t = self.ps.cpu_times()
         return t.user + t.system
+
+    def writer_cpu(self) -> float:
+        """The writer process's CPU seconds (and those of writer processes that exited)."""
+        t = self.ps.cpu_times()
+        total = t.children_user + t.children_system
+        for child in self.ps.children(recursive=True):
+            try:
+                c = child.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += c.user + c.system
+        return total
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -702,14 +718,15 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
             # alternate direct and proxy slices so that background load hits both alike
             run_id = f"bench-{i}"
             ds, ps = [], []
-            forwarded, cpu = 0, 0.0
+            forwarded, cpu, wcpu = 0, 0.0, 0.0
             lag = {}
             poller = Poller(db_path, args.poll_interval) if poll else None
             rewarder.watch(run_id if tagged else None)
             turns = args.turns if tagged else 0
             for r in range(rounds):
                 ds.append(wrk(direct, script, conns, secs / rounds, "", delay, stream))
-                before_stub, before_cpu, before_lag = stub_count(stub_url), proxy.cpu(), loop_lag(proxy.url)
+                before_stub, before_lag = stub_count(stub_url), loop_lag(proxy.url)
+                before_cpu, before_wcpu = proxy.cpu(), proxy.writer_cpu()
                 slice_id = (
                     f"{run_id}-{r}" if tagged else run_id
                 )  # fresh runs per slice: a run is never reopened
@@ -730,6 +747,7 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
                 # until the stub's count stops moving (else it lands in the next direct slice)
                 forwarded += settled(stub_url, before_stub, quiet_s=0.3)
                 cpu += proxy.cpu() - before_cpu
+                wcpu += proxy.writer_cpu() - before_wcpu
                 after_lag = loop_lag(proxy.url)
                 for le, n in after_lag.items():  # only the proxy slices' samples
                     lag[le] = lag.get(le, 0.0) + n - before_lag.get(le, 0.0)
@@ -775,7 +793,11 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
                 if not ok:
                     failures.append(name)
             per_k = cpu_k[name] = cpu / max(forwarded, 1) * 1000
-            print(f"  proxy CPU: {cpu:.2f} s for {forwarded} requests = {per_k:.3f} CPU-s per 1,000 requests")
+            print(
+                f"  proxy CPU: {cpu:.2f} s for {forwarded} requests = {per_k:.3f} CPU-s per 1,000 requests"
+                f" (serving process {(cpu - wcpu) / max(forwarded, 1) * 1000:.3f},"
+                f" writer process {wcpu / max(forwarded, 1) * 1000:.3f})"
+            )
             if tagged:
                 ok200 = codes.get(200, 0)
                 reward_p99 = (

@@ -240,6 +240,12 @@ class StoreSettings(BaseModel):
     flush_interval: float = Field(
         0.05, ge=0, description="seconds the writer waits to batch rows into one commit"
     )
+    writer_process: bool = Field(
+        True,
+        description="write the store from a process of its own: the serving process only journals "
+        "and sends, so SQL never holds its interpreter lock while requests wait (a database file or "
+        "server; an in-memory SQLite database is written in-process)",
+    )
     write_queue_max: int = Field(
         10_000, ge=1, description="uncommitted completions after which new requests wait for the store"
     )

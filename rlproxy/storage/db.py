@@ -183,6 +183,19 @@ def clone_engine(engine: AsyncEngine) -> AsyncEngine:
     )
 
 
+def engine_recipe(engine: AsyncEngine) -> dict[str, Any] | None:
+    """How to make `engine` again in another process (a writer process: storage/writer_link.py),
+    as plain data; None when it was not made by `create_engine` with rlproxy's own options only
+    (read-only, statement timeouts and extra engine options stay in the process that made them)."""
+    origin = _ORIGIN.get(engine.sync_engine)
+    if origin is None:
+        return None
+    url, readonly, busy_timeout_ms, statement_timeout_s, kwargs = origin
+    if readonly or statement_timeout_s or kwargs:
+        return None
+    return {"url": url, "busy_timeout_ms": busy_timeout_ms}
+
+
 def _create_engine(
     url: str, readonly: bool, busy_timeout_ms: int, statement_timeout_s: float | None, kwargs: dict[str, Any]
 ) -> AsyncEngine:

@@ -66,7 +66,10 @@ def decode(payload: bytes) -> CompletionRecord:
     data = orjson.loads(payload)
     rec = CompletionRecord(**{k: data[k] for k in _FIELDS if k in data})
     if isinstance(rec.created_at, str):
-        rec.created_at = datetime.fromisoformat(rec.created_at)
+        try:
+            rec.created_at = datetime.fromisoformat(rec.created_at)
+        except ValueError:  # as submitted: the store refuses it, and it is kept as an error row
+            pass
     return rec
 
 

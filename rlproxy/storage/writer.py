@@ -49,6 +49,12 @@ journal segments, reward futures), so all bookkeeping stays on the caller's loop
 touches only the connection. An in-memory SQLite database (one connection's, so one loop's) is
 written on the caller's loop as before (`thread=False`).
 
+In a process of its own (`process=True`, what `serve` uses): the same `_run` loop runs in a writer
+process (`writer_process.py`), fed over a socket (`writer_link.py`, which says why: the thread's
+SQL held the serving process's interpreter lock). The caller's side is unchanged, its queue
+becomes the operations sent and not settled (`_ops`), and a writer process that dies is replaced
+and sent them all again.
+
 The SQL of a transaction (new runs, completions and their `seq`, rewards) is in `rows.py`. This
 file stays over 400 lines because the queue, its bounds, the retry-and-split and the journal
 bookkeeping all act on the same queue and counters: apart, they would share private state.
@@ -73,7 +79,7 @@ from sqlalchemy import exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from rlproxy.errors import StorageError
-from rlproxy.storage.db import connect_write, is_sqlite, sqlite_path, writer_engine
+from rlproxy.storage.db import connect_write, engine_recipe, is_sqlite, sqlite_path, writer_engine
 from rlproxy.storage.errors import RunNotFound, StoreUnavailable
 from rlproxy.storage.journal import Journal, Segment, encode
 from rlproxy.storage.records import CompletionRecord, storable
@@ -84,6 +90,7 @@ from rlproxy.storage.rows import (
     repair_next_seq,
     stored_capture_ids,
 )
+from rlproxy.storage.writer_link import WriterProcess, decode_outcome, load_error
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +108,18 @@ REWARD_WAIT_S = 0.05  # a reward waits for the batch being gathered at most this
 class _Item:
     """A queued completion: the record, its serialized size, its journal segment."""
 
-    __slots__ = ("rec", "size", "seg", "replayed", "sanitized")
+    __slots__ = ("rec", "size", "seg", "replayed", "sanitized", "payload", "key")
 
-    def __init__(self, rec: CompletionRecord, size: int, seg: Segment | None, replayed: bool) -> None:
+    def __init__(
+        self, rec: CompletionRecord, size: int, seg: Segment | None, replayed: bool, payload: bytes = b""
+    ) -> None:
         self.rec = rec
         self.size = size
         self.seg = seg
         self.replayed = replayed  # from the journal: may be committed already (checked by capture_id)
         self.sanitized = False  # rec was replaced by records.storable() after the store refused it
+        self.payload = payload  # rec as the journal encoded it (what a writer process is sent)
+        self.key = 0  # a writer process settles it by this
 
 
 @dataclass
@@ -120,6 +131,13 @@ class _Reward:
     future: asyncio.Future[bool] = field(repr=False)
     rubric: str | None = None
     split: str | None = None  # the reward body's "split" (rows.apply_reward); None keeps the run's
+    key: int = 0
+    # time.monotonic() past which the caller stopped waiting: not applied then (a writer process
+    # knows it without the withdrawal message, which can arrive after its next attempt began)
+    deadline: float | None = None
+
+    def withdrawn(self) -> bool:
+        return self.future.done() or (self.deadline is not None and time.monotonic() > self.deadline)
 
 
 @dataclass
@@ -127,10 +145,13 @@ class _Flush:
     """A barrier: its future resolves once everything queued before it is committed."""
 
     future: asyncio.Future[bool] = field(repr=False)
+    key: int = 0
 
 
 class _Stop:
     """The close() marker: everything queued before it is written, then the task ends."""
+
+    key = 0
 
 
 _Op = _Item | _Reward | _Flush | _Stop
@@ -153,11 +174,24 @@ class Writer:
         max_queue_bytes: int = 256 << 20,
         journal: Journal | None = None,
         thread: bool | None = None,
+        process: bool = False,
     ) -> None:
         self._engine = engine  # the caller's; SQL goes through self._db (the thread's clone)
         self._db = engine
+        # process=True: the SQL runs in a writer process (storage/writer_link.py) when the engine
+        # can be made again there (a database file or server, no options that cannot travel)
+        recipe = engine_recipe(engine) if process and not _in_memory(engine) else None
+        self._recipe = recipe and {**recipe, "flush_interval": flush_interval, "max_batch": max_batch}
+        self._child: WriterProcess | None = None
+        # a completion is sent within this (it is journaled): shorter than a batch's gathering
+        self._item_wait = min(flush_interval, REWARD_WAIT_S) / 2
+        self._ops: dict[int, _Op] = {}  # sent to the writer process, not settled yet (by key)
+        self._next_key = 0
+        self._base = (0, 0, 0, 0, 0)  # counters of the writer processes before the current one
+        self._deaths = 0  # writer processes lost in a row (the restart's backoff)
+        self._respawn: asyncio.Task[None] | None = None
         # None: a thread of its own unless the database is in-memory SQLite (one loop's connection)
-        self._threaded = thread if thread is not None else not _in_memory(engine)
+        self._threaded = False if self._recipe else thread if thread is not None else not _in_memory(engine)
         self._loop: asyncio.AbstractEventLoop | None = None  # the caller's loop (bookkeeping)
         self._wloop: asyncio.AbstractEventLoop | None = None  # the writer's loop (SQL)
         self._thread: threading.Thread | None = None
@@ -228,6 +262,10 @@ class Writer:
         if self._task is not None:
             return
         self._loop = asyncio.get_running_loop()
+        if self._recipe is not None:
+            self._task = self._loop.create_future()  # resolved by the process's "stopped"
+            await self._spawn()
+            return
         if not self._threaded:
             self._wloop = self._loop
             self._task = asyncio.create_task(self._run(), name="rlproxy-writer")
@@ -329,7 +367,7 @@ class Writer:
             except OSError as exc:  # a full disk must not break the response
                 self.journal.skipped += 1
                 log.error("journal: append failed (%s); completion of run %s not journaled", exc, rec.run_id)
-        self._enqueue(_Item(rec, len(payload), seg, False))
+        self._enqueue(_Item(rec, len(payload), seg, False, payload))
 
     def _enqueue(self, item: _Item) -> None:
         if self._pending == 0:
@@ -338,6 +376,9 @@ class Writer:
         self._bytes += item.size
         if self._pending >= self.max_queue or self._bytes >= self.max_queue_bytes:
             self._room.clear()
+        if self._recipe is not None:
+            self._send(item)
+            return
         self._inbox.append(item)
         if self._sleep == _SLEEP_IDLE or (self._sleep == _SLEEP_BATCH and len(self._inbox) >= self.max_batch):
             self._signal()
@@ -388,11 +429,15 @@ class Writer:
         started = time.monotonic()
         while True:
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            self._put_soon(_Reward(run_id, value, metrics, metadata, fut, rubric, split))
+            op = _Reward(run_id, value, metrics, metadata, fut, rubric, split)
+            op.deadline = None if timeout is None else started + timeout
+            self._put_soon(op)
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
             try:
                 return await asyncio.wait_for(fut, left)
             except TimeoutError:
+                if self._child is not None and op.key in self._ops:  # withdrawn there too
+                    self._child.send(("W", op.key))
                 raise StoreUnavailable(
                     f"the store did not commit the reward of run {run_id!r} within {timeout:g} s; "
                     "retry later",
@@ -428,6 +473,9 @@ class Writer:
                 await self._task
             finally:
                 self._task = None
+        if self._child is not None:
+            self._child.close_link()
+            await self._child.wait(10.0)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
             self._thread = None
@@ -452,6 +500,9 @@ class Writer:
         if self._pending == 0:
             self._progress_at = time.monotonic()
         self._pending += 1
+        if self._recipe is not None:
+            self._send(op)
+            return
         first = self._soon_in == self._soon_out
         self._soon_in += 1
         self._inbox.append(op)
@@ -468,10 +519,134 @@ class Writer:
         if self._pending == 0:
             self._progress_at = time.monotonic()
         self._pending += 1
+        if self._recipe is not None:
+            self._send(op)
+            return
         self._urgent_in += 1
         self._inbox.append(op)
         if self._sleep != _AWAKE:
             self._signal()
+
+    # -- the writer process (storage/writer_link.py) -------------------------------------------
+
+    async def _spawn(self) -> None:
+        """Start a writer process and send it every operation not settled yet, in order."""
+        self._child = WriterProcess(self._from_child, self._child_lost)
+        await self._child.spawn({**self._recipe, "log_level": logging.getLogger().getEffectiveLevel()})
+        again = self._deaths > 0 or self._base != (0, 0, 0, 0, 0)
+        for op in list(self._ops.values()):
+            wire = self._wire(op, again)
+            if wire is not None:
+                self._child.send(wire)
+
+    def _send(self, op: _Op) -> None:
+        self._next_key += 1
+        op.key = self._next_key
+        self._ops[op.key] = op
+        if self._child is None or not self._child.connected:
+            return  # sent by `_spawn` once a process is there
+        wire = self._wire(op, False)
+        if wire is not None:  # a completion is journaled: it may wait for the next batch's send
+            self._child.send(wire, self._item_wait if isinstance(op, _Item) else 0.0)
+
+    def _wire(self, op: _Op, again: bool) -> tuple | None:
+        """`op` as a message for the writer process (None: given up, it cannot be sent)."""
+        if isinstance(op, _Item):
+            try:
+                payload = op.payload or encode(op.rec)
+            except (TypeError, ValueError) as exc:  # submit() logged it: store what cannot be sent?
+                del self._ops[op.key]
+                self._give_up([op], StorageError(f"not serializable: {exc}"))
+                return None
+            return ("I", op.key, payload, op.replayed or again)
+        if isinstance(op, _Reward):
+            return (
+                "R",
+                op.key,
+                op.run_id,
+                op.reward,
+                op.metrics,
+                op.metadata,
+                op.rubric,
+                op.split,
+                op.deadline,
+            )
+        if isinstance(op, _Flush):
+            return ("F", op.key)
+        left = self.drain_timeout
+        if self._close_deadline is not None:
+            left = max(0.0, self._close_deadline - time.monotonic())
+        return ("S", op.key, left)
+
+    def _from_child(self, msg: tuple) -> None:
+        """A message of the writer process: settle what it committed or gave up, take its counters."""
+        try:
+            self._settle_child(msg)
+        except Exception:  # a bug here must not end the link (and with it the writer process)
+            log.exception("writer: a message of the writer process could not be handled")
+
+    def _settle_child(self, msg: tuple) -> None:
+        kind = msg[0]
+        self._counters(msg[-1])
+        if kind == "settle":
+            self._deaths = 0
+            self._progress_at = time.monotonic()
+            ops, outcomes = [], []
+            for key, outcome in msg[1]:
+                op = self._ops.pop(key, None)
+                if op is not None:
+                    ops.append(op)
+                    outcomes.append(decode_outcome(outcome))
+            self._settle(ops, outcomes)
+        elif kind == "give_up":
+            ops = [op for key in msg[1] if (op := self._ops.pop(key, None)) is not None]
+            self._give_up(ops, load_error(msg[2]), msg[3])
+        elif kind == "stopped":
+            for key in [k for k, op in self._ops.items() if isinstance(op, _Stop)]:
+                del self._ops[key]
+            self._stopped()
+            if self._task is not None and not self._task.done():
+                self._task.set_result(None)
+
+    def _counters(self, stats: tuple) -> None:
+        base = self._base
+        self.rows_written, self.commits, self.rewards_written, self.write_errors, self.replayed = (
+            b + n for b, n in zip(base, stats[:5], strict=True)
+        )
+        self.last_error = stats[5]
+
+    def _child_lost(self, exc: Exception | None) -> None:
+        """The writer process's socket ended: expected after "stopped", else the process died."""
+        if self._task is None or self._task.done():
+            return
+        self._deaths += 1
+        self._base = (self.rows_written, self.commits, self.rewards_written, self.write_errors, self.replayed)
+        code = self._child.returncode() if self._child is not None else None
+        log.error(
+            "writer process exited (code %s) with %d operations not settled; starting another",
+            code,
+            len(self._ops),
+        )
+        self._respawn = asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        old = self._child
+        if old is not None:
+            await old.wait(5.0)
+        while True:
+            await asyncio.sleep(min(0.1 * 2 ** (self._deaths - 1), MAX_BACKOFF_S))
+            if self._close_deadline is not None and time.monotonic() > self._close_deadline:
+                self._give_up(list(self._ops.values()), StorageError("the writer process died"), True)
+                self._ops.clear()
+                if self._task is not None and not self._task.done():
+                    self._task.set_result(None)
+                return
+            try:
+                await self._spawn()
+                return
+            except OSError as e:  # out of processes or descriptors: try again
+                self._deaths += 1
+                log.error("writer: cannot start a writer process: %s", e)
 
     async def _run(self) -> None:
         """The writer's loop: batches, each written (retried, split) before the next is taken."""
@@ -691,7 +866,7 @@ class Writer:
                 if stretch:
                     written += await self._insert(conn, stretch, now)
                     stretch = []
-                if isinstance(op, _Reward) and not op.future.done():  # done: withdrawn (timed out)
+                if isinstance(op, _Reward) and not op.withdrawn():  # the caller timed out
                     outcomes.append(
                         await apply_reward(
                             conn, op.run_id, op.reward, op.metrics, op.metadata, now, op.rubric, op.split
