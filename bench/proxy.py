@@ -392,9 +392,9 @@ class Proxy:
             "--log-level",
             "warning",
         ]
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        # its log goes to a file: a pipe nobody reads fills up and blocks the proxy's next write
+        self.log = open(db_path.with_suffix(".serve.log"), "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         wait_http(f"{self.url}/healthz")
         self.ps = psutil.Process(self.proc.pid)
 
@@ -424,6 +424,12 @@ class Proxy:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
+        warnings = [
+            ln for ln in Path(self.log.name).read_text().splitlines() if " WARNING " in ln or " ERROR " in ln
+        ]
+        if warnings:
+            print(f"\n## rlproxy serve logged {len(warnings)} warnings or errors; the first: {warnings[0]}")
 
 
 # ---- --compare litellm: direct vs rlproxy vs LiteLLM's proxy, same stub, same wrk, same run ----

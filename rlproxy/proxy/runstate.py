@@ -158,6 +158,8 @@ class RunState:
                 log.warning("run state: could not check %d runs (%s); they stay open", len(ids), exc)
                 continue
             for run_id in closed:
+                if run_id in self.closed:  # closed here meanwhile (this replica stored its reward)
+                    continue
                 self.late += 1
                 log.warning("run %r was closed before this replica saw it: no more turns", run_id)
                 self.close(run_id)

@@ -266,3 +266,16 @@ def test_the_check_of_unseen_runs_reads_the_store_once_per_poll_under_steady_tra
     assert queued > 0
     assert selects == 1  # one query for the runs queued when the check began (fewer than 500)
     assert left > 0  # those admitted meanwhile wait for the next poll
+
+
+def test_a_run_rewarded_before_its_background_check_is_not_taken_for_a_late_one(make_proxy, stub):
+    """Rewarded here between its first turn and the poll's check: the check finds it closed, and
+    that is this replica's own reward, not a run closed elsewhere before it was seen (before, each
+    one counted as `late` with a warning: under the benchmark's tagged load with rewards flowing, a
+    flood of them filled the unread log pipe and blocked the serving loop)."""
+    proxy = make_proxy(stub.url, run_state_poll_interval=1.0)
+    assert _chat(proxy.url, "r-1").status_code == 200
+    assert httpx.post(f"{proxy.url}/v1/runs/r-1/reward", json={"reward": 0.5}).status_code == 200
+    _settled(proxy.state.runs)
+    assert proxy.state.runs.lookups == 1 and proxy.state.runs.late == 0
+    _closed(_chat(proxy.url, "r-1"))
