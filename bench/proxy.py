@@ -41,6 +41,7 @@ a trainer sharing its store). The event loop's lag is the proxy's own histogram
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import math
 import os
@@ -336,6 +337,7 @@ class Poller:
     def __init__(self, db_path: Path, interval: float) -> None:
         cmd = [sys.executable, __file__, "--poller", str(db_path), "--poll-interval", str(interval)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        atexit.register(self.proc.kill)  # a benchmark that fails leaves no poller behind
 
     def stop(self) -> str:
         self.proc.terminate()
