@@ -554,7 +554,7 @@ class Writer:
         if isinstance(op, _Item):
             try:
                 payload = op.payload or encode(op.rec)
-            except (TypeError, ValueError) as exc:  # submit() logged it: store what cannot be sent?
+            except (TypeError, ValueError) as exc:  # not even a sanitized copy (submit logged why)
                 del self._ops[op.key]
                 self._give_up([op], StorageError(f"not serializable: {exc}"))
                 return None

@@ -12,10 +12,11 @@ The wire: a `socket.socketpair()`, each message one frame, `<u32 length><pickle>
 Parent -> child: ("config", {...}) first, then the operations ("I" completion, "R" reward, "F" flush,
 "W" withdraw a reward, "S" stop), each with the key the parent settles it by. Child -> parent:
 ("settle", [(key, outcome)], stats), ("give_up", [key], error, keep, stats), ("stopped", stats)
-and ("stats", stats) while a batch keeps failing. Completions are written to the child every
-half `flush_interval` (the writer gathers a batch that long anyway, and each is in the crash
-journal already), everything else at once, each time in one write: at one request in flight, a
-write and a wake-up of the child per completion cost more CPU than the SQL itself.
+and ("stats", stats) while a batch keeps failing. Completions are written to the child within
+half of `flush_interval` or of REWARD_WAIT_S, whichever is shorter (25 ms by default: the writer
+gathers a batch longer than that anyway, and each completion is in the crash journal already),
+everything else at once, each time in one write: at one request in flight, a write and a wake-up
+of the child per completion cost more CPU than the SQL itself.
 
 The child dies with its parent: at the end of its socket it exits at once, without writing what it
 had not committed (that is in the crash journal, replayed by the next start). The parent restarts a
