@@ -66,6 +66,12 @@ class _WriterCollector:
                 "completions the writer gave up on (unstorable; logged with their run id)",
                 num("dropped"),
             ),
+            (
+                CounterMetricFamily,
+                "rlproxy_writer_restarts",
+                "writer processes that died and were replaced (each sent everything not yet committed)",
+                num("restarts"),
+            ),
             (GaugeMetricFamily, "rlproxy_write_queue_depth", "records waiting for the writer", num("depth")),
             (
                 GaugeMetricFamily,

@@ -233,6 +233,7 @@ class Writer:
         self.write_errors = 0  # failed transaction attempts (each one retried)
         self.dropped = 0  # records given up on (logged); 0 unless a record cannot be stored at all
         self.replayed = 0  # journal records stored on start (committed before the crash or not)
+        self.restarts = 0  # writer processes that died and were replaced (process=True)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -620,6 +621,7 @@ class Writer:
         if self._task is None or self._task.done():
             return
         self._deaths += 1
+        self.restarts += 1
         self._base = (self.rows_written, self.commits, self.rewards_written, self.write_errors, self.replayed)
         code = self._child.returncode() if self._child is not None else None
         log.error(

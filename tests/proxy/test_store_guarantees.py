@@ -135,3 +135,32 @@ def test_dropped_records_are_a_prometheus_counter(make_proxy, stub, monkeypatch)
 @pytest.fixture(autouse=True)
 def _quiet_writer_logs(caplog):
     caplog.set_level("CRITICAL", logger="rlproxy.storage.writer")
+
+
+def test_a_killed_writer_process_is_replaced_and_counted_on_metrics(make_proxy, stub):
+    """SIGKILL of `serve`'s writer process: the next one stores what the dead one had not, each
+    completion once, and /metrics counts the restart (`rlproxy_writer_restarts_total`)."""
+    import os
+    import signal
+
+    proxy = make_proxy(stub.url)
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+
+    def chat(i: int) -> None:
+        resp = httpx.post(f"{proxy.url}/v1/chat/completions", json=body, headers={"X-Run-Id": f"r-{i // 3}"})
+        assert resp.status_code == 200
+
+    for i in range(6):
+        chat(i)
+    proxy.flush()
+    first = proxy.state.writer._child.proc.pid
+    os.kill(first, signal.SIGKILL)
+    for i in range(6, 12):
+        chat(i)
+    assert httpx.post(f"{proxy.url}/v1/runs/r-3/reward", json={"reward": 1.0}, timeout=30).status_code == 200
+    proxy.flush()
+    assert proxy.state.writer._child.proc.pid != first
+    assert _metric(httpx.get(f"{proxy.url}/metrics").text, "rlproxy_writer_restarts_total") == 1.0
+    assert proxy.query(
+        "SELECT run_id, count(*), min(seq), max(seq) FROM completions GROUP BY run_id ORDER BY 1"
+    ) == [(f"r-{k}", 3, 0, 2) for k in range(4)]

@@ -78,7 +78,7 @@ async def test_a_killed_writer_process_is_replaced_and_nothing_is_lost_or_stored
         await asyncio.sleep(0.001)
     assert await asyncio.gather(*outcomes) == [True] * 10
     await w.close()
-    assert w._child.proc.pid != first
+    assert w._child.proc.pid != first and w.restarts == 1
     assert w.dropped == 0 and w.depth == 0
     got = await rows(engine, "SELECT run_id, seq FROM completions ORDER BY run_id, seq")
     assert len(got) == 300  # once each, though everything unsettled was sent again
