@@ -191,7 +191,10 @@ class Writer:
         self._deaths = 0  # writer processes lost in a row (the restart's backoff)
         self._respawn: asyncio.Task[None] | None = None
         # None: a thread of its own unless the database is in-memory SQLite (one loop's connection)
-        self._threaded = False if self._recipe else thread if thread is not None else not _in_memory(engine)
+        if self._recipe is not None:
+            self._threaded = False
+        else:
+            self._threaded = thread if thread is not None else not _in_memory(engine)
         self._loop: asyncio.AbstractEventLoop | None = None  # the caller's loop (bookkeeping)
         self._wloop: asyncio.AbstractEventLoop | None = None  # the writer's loop (SQL)
         self._thread: threading.Thread | None = None
@@ -534,7 +537,7 @@ class Writer:
         """Start a writer process and send it every operation not settled yet, in order."""
         self._child = WriterProcess(self._from_child, self._child_lost)
         await self._child.spawn({**self._recipe, "log_level": logging.getLogger().getEffectiveLevel()})
-        again = self._deaths > 0 or self._base != (0, 0, 0, 0, 0)
+        again = self.restarts > 0  # a dead process may have committed some of them
         for op in list(self._ops.values()):
             wire = self._wire(op, again)
             if wire is not None:
@@ -609,6 +612,10 @@ class Writer:
             if self._task is not None and not self._task.done():
                 self._task.set_result(None)
 
+    def totals(self) -> tuple[int, int, int, int, int]:
+        """rows_written, commits, rewards_written, write_errors, replayed (a writer process's report)."""
+        return (self.rows_written, self.commits, self.rewards_written, self.write_errors, self.replayed)
+
     def _counters(self, stats: tuple) -> None:
         base = self._base
         self.rows_written, self.commits, self.rewards_written, self.write_errors, self.replayed = (
@@ -622,7 +629,7 @@ class Writer:
             return
         self._deaths += 1
         self.restarts += 1
-        self._base = (self.rows_written, self.commits, self.rewards_written, self.write_errors, self.replayed)
+        self._base = self.totals()
         code = self._child.returncode() if self._child is not None else None
         log.error(
             "writer process exited (code %s) with %d operations not settled; starting another",

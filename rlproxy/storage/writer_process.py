@@ -43,14 +43,7 @@ class _Child(Writer):
         self._sent: tuple | None = None
 
     def stats(self) -> tuple:
-        return (
-            self.rows_written,
-            self.commits,
-            self.rewards_written,
-            self.write_errors,
-            self.replayed,
-            self.last_error,
-        )
+        return (*self.totals(), self.last_error)
 
     def take(self, msg: tuple) -> None:
         """One operation from the proxy, queued as the proxy's own writer would queue it."""
