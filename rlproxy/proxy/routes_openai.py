@@ -24,9 +24,9 @@ forwarded, captured and stored as `request`, and the chat answer is translated b
 `POST /v1/messages/count_tokens` over the upstream's `/tokenize`.
 
 A client that hangs up cancels its upstream call: a stream's relay races the stream against the
-client's `http.disconnect` (`proxy/stream.py`), and a non-streaming call is raced the same way
-(`_unless_gone`): the call is cancelled, which closes its pooled connection, so the engine drops
-the request at once; the completion is stored `cancelled` (499).
+client's `http.disconnect` (`proxy/stream.py`), and a non-streaming call is cancelled when the
+protocol says the connection is lost (`_unless_gone`, `server.Hangup`): that closes its pooled
+connection, so the engine drops the request at once; the completion is stored `cancelled` (499).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rlproxy.errors import APIError, BackendRedirect, RLProxyError
-from rlproxy.proxy import capture, errors, forward, hosted, messages, responses, runkey, validate
+from rlproxy.proxy import capture, errors, forward, hosted, messages, responses, runkey, server, validate
 from rlproxy.proxy.stream import StreamRelay
 from rlproxy.storage.records import CompletionRecord, Endpoint
 
@@ -93,7 +93,7 @@ class HotPath:
         await self.app(scope, receive, send)
 
 
-async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | None) -> Response:
+async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | None) -> Response | _Answer:
     """Forward one completion request and capture it (see the module doc)."""
     started = time.perf_counter()
     created_at = datetime.now(UTC)
@@ -166,7 +166,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
             _UPSTREAM_PATHS[endpoint], headers, orjson.dumps(upstream_body), query, stream, run_id
         )
         # a stream's relay watches the client itself (proxy/stream.py); a plain call is raced here
-        resp = await (call_upstream if stream else _unless_gone(call_upstream, receive))
+        resp = await (call_upstream if stream else _unless_gone(call_upstream, scope, receive))
         if endpoint == Endpoint.MESSAGES and resp.status_code == 400:
             resp = await _unclamped(px, resp, rec, upstream_body, headers, stream, run_id)
         step_header = (b"x-policy-step", str(step).encode())
@@ -203,35 +203,31 @@ class _ClientGone(Exception):
     """The client hung up while its non-streaming upstream call ran (the call was cancelled)."""
 
 
-async def _unless_gone(call, receive):
-    """Await the upstream call `call` in this task unless the client hangs up first (its body is
-    read, so the next `receive()` returns only `http.disconnect`): one watcher task then cancels
-    this one, which closes the call's pooled connection so the engine stops decoding, and
-    `_ClientGone` is raised. (One task per request, not two: the call runs where it is awaited.)"""
+async def _unless_gone(call, scope, receive):
+    """Await the upstream call `call` in this task unless the client hangs up first: this task is
+    then cancelled, which closes the call's pooled connection so the engine stops decoding, and
+    `_ClientGone` is raised (`server.hangup_calls` says when: under `rlproxy serve` the protocol,
+    with no task per request)."""
     me = asyncio.current_task()
     gone = False
 
-    async def watch() -> None:
+    def hang_up() -> None:
         nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass
         gone = True
         me.cancel()
 
-    watcher = asyncio.create_task(watch())
     try:
-        return await call
+        with server.hangup_calls(scope, receive, hang_up):
+            return await call
     except asyncio.CancelledError:
         if gone and me.uncancel() == 0:  # our own cancel, not the server's shutdown
             raise _ClientGone from None
         raise
-    finally:
-        watcher.cancel()
 
 
 def _answer(
     px, resp, rec: CompletionRecord, inj: capture.Injected, started: float, step_header, call=None
-) -> Response:
+) -> Response | _Answer:
     """A non-streaming answer: capture, strip, submit, respond (a Responses call: translated back)."""
     content = resp.content
     if 300 <= resp.status_code < 400:  # never relayed: its Location names the engine's address
@@ -271,13 +267,25 @@ def _answer(
     rec.latency_ms = (time.perf_counter() - started) * 1000.0
     px.writer.submit(rec)
     px.metrics.observe(rec.endpoint, outcome, rec.latency_ms / 1000.0)
-    response = Response(content, status_code=resp.status_code)
-    response.raw_headers = [
-        *forward.response_headers(resp.headers),
-        (b"content-length", str(len(content)).encode()),
-        step_header,
-    ]
-    return response
+    headers = forward.response_headers(resp.headers)
+    headers += ((b"content-length", str(len(content)).encode()), step_header)
+    return _Answer(resp.status_code, headers, content)
+
+
+class _Answer:
+    """A non-streaming answer as ASGI: the head, then the whole body (what starlette's Response
+    does, without building its headers again: this runs on every request)."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status: int, headers: list, body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
 
 
 async def _unclamped(px, resp, rec: CompletionRecord, upstream_body: dict, headers, stream: bool, run_id):

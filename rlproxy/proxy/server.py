@@ -15,6 +15,9 @@ in. `LimitedHttpToolsProtocol` keeps httptools' speed and adds, per connection:
 - a response sent before its request's body was read whole (413, 401, 400, ...) closes the
   connection instead of reading the rest of the body, and says so (`Connection: close`), as every
   500 does (uvicorn closes the connection after an application error);
+- a lost connection is told to the request it interrupts: the route registers a callback on the
+  scope's `extensions["rlproxy.hangup"]` (a `Hangup`) and the protocol calls it from
+  `connection_lost`, so a route needs no task of its own watching `receive()` for `http.disconnect`;
 - the access log goes to the `rlproxy.access` logger, which no other uvicorn server in the process
   can switch off (the embedded engine's uvicorn.Config resets the global `uvicorn.access` one).
 
@@ -65,6 +68,68 @@ class ConnLimits:
         )
 
 
+HANGUP = "rlproxy.hangup"  # the scope's extensions key of the connection's `Hangup`
+
+
+class Hangup:
+    """The callbacks to run when a connection is lost (or refused) mid-request: one per request
+    waiting on its upstream, added and discarded by the route (`routes_openai._unless_gone`)."""
+
+    __slots__ = ("callbacks", "lost")
+
+    def __init__(self) -> None:
+        self.callbacks: set = set()
+        self.lost = False
+
+    def add(self, callback: Any) -> None:
+        """Run `callback()` when the connection is lost; at once (soon) if it already is."""
+        if self.lost:
+            asyncio.get_running_loop().call_soon(callback)
+        else:
+            self.callbacks.add(callback)
+
+    def discard(self, callback: Any) -> None:
+        self.callbacks.discard(callback)
+
+    def fire(self) -> None:
+        self.lost = True
+        callbacks, self.callbacks = self.callbacks, set()
+        for callback in callbacks:
+            callback()
+
+
+class hangup_calls:
+    """`with hangup_calls(scope, receive, callback):` runs `callback()` if the client's connection
+    is lost inside the block. Under this module's protocol the connection's `Hangup` calls it;
+    under another ASGI server one watcher task waits for `receive()` to say `http.disconnect`
+    (so only where the request's body is read whole: then that is all `receive()` can return)."""
+
+    __slots__ = ("hangup", "receive", "callback", "watcher")
+
+    def __init__(self, scope: dict, receive: Any, callback: Any) -> None:
+        self.hangup = scope.get("extensions", {}).get(HANGUP)
+        self.receive = receive
+        self.callback = callback
+        self.watcher: asyncio.Task | None = None
+
+    def __enter__(self) -> None:
+        if self.hangup is not None:
+            self.hangup.add(self.callback)
+        else:
+            self.watcher = asyncio.ensure_future(self._watch())
+
+    def __exit__(self, *exc: object) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+        else:
+            self.hangup.discard(self.callback)
+
+    async def _watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.callback()
+
+
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing a request that was just refused."""
 
@@ -88,6 +153,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._late: Any = None  # what to do when the deadline passes
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._hangup = Hangup()  # one per connection, in every request's scope (see the module doc)
 
     # --- connection ---
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -104,6 +170,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._timer.cancel()
             self._timer = None
         super().connection_lost(exc)
+        self._hangup.fire()
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
@@ -165,6 +232,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 headers=b"retry-after: %d\r\n" % RETRY_AFTER_S,
             )
             raise _Refused()
+        self.scope.setdefault("extensions", {})[HANGUP] = self._hangup  # the cycle's scope
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None:
@@ -235,6 +303,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app's receive() now says http.disconnect; its sends are dropped
             cycle.message_event.set()
+            self._hangup.fire()
         self.transport.close()
 
     def _write_error(self, status: int, message: str, code: str | None, headers: bytes) -> None:

@@ -5,8 +5,8 @@ untouched; when capture fields were injected each complete `data:` event is re-s
 them (a partial event waits for its end, never longer). Every event is also folded into a
 `StreamAssembler` for the store.
 
-The relay races the stream against the client's `http.disconnect`: a client that goes away cancels
-the relay task, which closes the upstream response (so the upstream aborts the generation) and
+The relay is told when the client's connection is lost (`server.hangup_calls`): a client that goes
+away cancels the relay task, which closes the upstream response (so the upstream aborts the generation) and
 stores the partial completion with status `cancelled` (499). However else a stream ends early it is
 stored as cut, never as `ok`: an upstream that drops the connection or sends nothing for
 `upstream_idle_timeout` is `error` (502/504) and the client's response is ended without its last
@@ -31,7 +31,7 @@ import orjson
 from starlette.responses import Response
 
 from rlproxy.errors import BackendError
-from rlproxy.proxy import http11
+from rlproxy.proxy import http11, server
 from rlproxy.proxy.capture import Injected, StreamAssembler, strip
 from rlproxy.proxy.errors import public_message
 
@@ -86,56 +86,52 @@ class StreamRelay(Response):
         task = asyncio.current_task()
         state = {"finished": False, "disconnected": False}
 
-        async def watch() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    if not state["finished"]:
-                        state["disconnected"] = True
-                        task.cancel()
-                    return
+        def hang_up() -> None:
+            if not state["finished"]:
+                state["disconnected"] = True
+                task.cancel()
 
-        watcher = asyncio.ensure_future(watch())
-        status, code = "ok", self.upstream.status_code
-        try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": self.upstream.status_code,
-                    "headers": self.raw_headers,
-                }
-            )
-            if self.translate is not None:
-                await send({"type": "http.response.body", "body": self.translate.start(), "more_body": True})
-            await self._relay(send)
-        except asyncio.CancelledError:
-            if not state["disconnected"]:  # not the client: the proxy is shutting down
-                status, code = "cancelled", 503
-                self.error = "stream cut: the proxy shut down before the upstream finished"
-                raise
-            task.uncancel()
-            status, code = "cancelled", 499
-        except BackendError as exc:  # the upstream dropped or stalled mid-stream
-            # returning without the final body makes the server close the connection: the
-            # client sees a cut stream (no terminating chunk), never a clean end
-            status, code = "error", exc.status
-            self.error = f"upstream stream broke: {exc}"
-            logger.warning("%s", self.error)
-            await self._fail(send, status, code, public_message(exc))
-        except Exception as exc:  # a chunk the relay could not handle: stored as an error, never ok
-            status, code = "error", 502
-            self.error = f"the stream could not be relayed: {type(exc).__name__}: {exc}"[:2000]
-            logger.warning("%s", self.error, exc_info=exc)
-            await self._fail(
-                send, status, code, "The model server sent a stream that is not a valid completion."
-            )
-        except OSError:  # the server noticed the client's disconnect on write first
-            status, code = "cancelled", 499
-        finally:
-            state["finished"] = True
-            watcher.cancel()
-            self.upstream.close()  # a cut stream closes the upstream connection: the upstream aborts
-            self._report(status, code)
+        with server.hangup_calls(scope, receive, hang_up):
+            status, code = "ok", self.upstream.status_code
+            try:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": self.upstream.status_code,
+                        "headers": self.raw_headers,
+                    }
+                )
+                if self.translate is not None:
+                    opening = self.translate.start()
+                    await send({"type": "http.response.body", "body": opening, "more_body": True})
+                await self._relay(send)
+            except asyncio.CancelledError:
+                if not state["disconnected"]:  # not the client: the proxy is shutting down
+                    status, code = "cancelled", 503
+                    self.error = "stream cut: the proxy shut down before the upstream finished"
+                    raise
+                task.uncancel()
+                status, code = "cancelled", 499
+            except BackendError as exc:  # the upstream dropped or stalled mid-stream
+                # returning without the final body makes the server close the connection: the
+                # client sees a cut stream (no terminating chunk), never a clean end
+                status, code = "error", exc.status
+                self.error = f"upstream stream broke: {exc}"
+                logger.warning("%s", self.error)
+                await self._fail(send, status, code, public_message(exc))
+            except Exception as exc:  # a chunk the relay could not handle: stored as an error, never ok
+                status, code = "error", 502
+                self.error = f"the stream could not be relayed: {type(exc).__name__}: {exc}"[:2000]
+                logger.warning("%s", self.error, exc_info=exc)
+                await self._fail(
+                    send, status, code, "The model server sent a stream that is not a valid completion."
+                )
+            except OSError:  # the server noticed the client's disconnect on write first
+                status, code = "cancelled", 499
+            finally:
+                state["finished"] = True
+                self.upstream.close()  # a cut stream closes the upstream connection: the upstream aborts
+                self._report(status, code)
 
     async def _fail(self, send, status: str, code: int, message: str) -> None:
         """End a broken stream: the Responses API says response.failed (with `message`, which never

@@ -1,18 +1,23 @@
-"""A non-streaming call whose client hangs up, and the watcher that notices, from raw sockets.
+"""A non-streaming call whose client hangs up, and what notices it, from raw sockets.
 
-`routes_openai._unless_gone` awaits the upstream call in the request's own task while one watcher
-task waits for `http.disconnect`; a hang-up cancels the call (its pooled connection closes, so the
-upstream stops) and the completion is stored `cancelled` (499). These cases drive the real proxy
-under uvicorn the way peers do it: a client that closes its socket mid-call, and keep-alive and
-pipelined requests, whose watchers must end with their requests and never cancel the next one.
+`routes_openai._unless_gone` awaits the upstream call in the request's own task; when the client
+hangs up, the protocol (`server.Hangup`, from `connection_lost`) cancels the call (its pooled
+connection closes, so the upstream stops) and the completion is stored `cancelled` (499). Under
+another ASGI server one watcher task per request waits for `http.disconnect` instead
+(`server.hangup_calls`). These cases drive the real proxy under uvicorn the way peers do it: a
+client that closes its socket mid-call, and keep-alive and pipelined requests, whose callbacks must
+end with their requests and never cancel the next one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
 from typing import Any
+
+from rlproxy.proxy import server
 
 BODY = json.dumps({"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -89,3 +94,54 @@ def test_pipelined_requests_are_answered_in_order_and_none_cancelled(make_proxy,
         assert _responses(sock, 3) == [200, 200, 200]
     rows = _rows(proxy, 3)
     assert sorted(r[:3] for r in rows) == [("p-0", "ok", 200), ("p-1", "ok", 200), ("p-2", "ok", 200)]
+
+
+def test_a_call_in_flight_has_no_watcher_task(make_proxy, stub, loop_thread):
+    """Under `rlproxy serve`'s protocol the hang-up comes from `connection_lost`: the request's own
+    task is the only one (the watcher task per request was ~0.1 ms of CPU each, issue 24)."""
+    proxy = make_proxy(stub.url)
+    sock = _connect(proxy.url)
+    sock.sendall(_request("watched", delay=1.0))
+    time.sleep(0.4)
+
+    async def tasks() -> list[str]:
+        return [t.get_coro().__qualname__ for t in asyncio.all_tasks()]
+
+    names = loop_thread.run(tasks())
+    sock.close()
+    assert any(n.endswith("run_asgi") for n in names), names  # the request is in flight
+    assert not [n for n in names if n.endswith((".watch", "._watch"))], names
+    assert _rows(proxy, 1)[0][1:3] == ("cancelled", 499)
+
+
+def test_hangup_calls_without_the_protocol_watches_receive():
+    """Under another server (no `Hangup` in the scope) one task waits for `http.disconnect`."""
+
+    async def main() -> list[str]:
+        messages: asyncio.Queue = asyncio.Queue()
+        called: list[str] = []
+        with server.hangup_calls({"type": "http"}, messages.get, lambda: called.append("gone")):
+            await messages.put({"type": "http.disconnect"})
+            await asyncio.sleep(0.05)
+        with server.hangup_calls({"type": "http"}, messages.get, lambda: called.append("late")):
+            await asyncio.sleep(0.01)  # left before any disconnect: its watcher is cancelled
+        await messages.put({"type": "http.disconnect"})
+        await asyncio.sleep(0.05)
+        return called
+
+    assert asyncio.run(main()) == ["gone"]
+
+
+def test_a_connection_lost_before_the_call_registers_still_cancels_it():
+    """`Hangup.add` after the connection was lost calls back (soon) rather than never."""
+
+    async def main() -> list[str]:
+        hangup = server.Hangup()
+        called: list[str] = []
+        hangup.fire()
+        with server.hangup_calls({"extensions": {server.HANGUP: hangup}}, None, lambda: called.append("x")):
+            await asyncio.sleep(0.01)
+        hangup.fire()  # fired again (a refusal then the loss): nothing registered, nothing called
+        return called
+
+    assert asyncio.run(main()) == ["x"]
