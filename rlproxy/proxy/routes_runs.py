@@ -206,10 +206,11 @@ async def _reward(request: Request, run_id: str, judge: bool = False) -> Respons
             retry_after=1.0,
         )
     remaining = max(0.05, deadline - time.monotonic())
-    stored = await px.writer.reward(
-        run_id, reward, metrics, metadata, timeout=remaining, rubric=rubric, split=split
-    )
-    px.runs.close(run_id)  # no more turns into this reward (proxy/runstate.py)
+    with px.runs.closing(run_id):
+        stored = await px.writer.reward(
+            run_id, reward, metrics, metadata, timeout=remaining, rubric=rubric, split=split
+        )
+        px.runs.close(run_id)  # no more turns into this reward (proxy/runstate.py)
     if reward is None:
         return _json({"run_id": run_id, "reward": None, "judge": True, "stored": stored})
     return _json({"run_id": run_id, "reward": reward, "stored": stored})

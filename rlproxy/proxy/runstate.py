@@ -41,6 +41,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 from rlproxy.errors import APIError
@@ -91,6 +93,7 @@ class RunState:
         self.refused = 0  # turns refused (409) or moved out of a closed run
         self.late = 0  # turns admitted to a run the background check then found closed
         self._unseen: list[str] = []  # runs admitted before their check (`check_unseen`)
+        self._closing: dict[str, int] = {}  # runs whose reward this replica is storing (`closing`)
 
     async def load(self) -> None:
         """At start: the runs closed most recently, up to `capacity` (module doc)."""
@@ -106,6 +109,20 @@ class RunState:
         """The reward route stored a reward (or a judge request) for `run_id`."""
         self.open.discard(run_id)
         self.closed.add(run_id)
+
+    @contextmanager
+    def closing(self, run_id: str) -> Iterator[None]:
+        """Around the reward route's store of `run_id`'s reward: a background check that finds the
+        run closed meanwhile (the commit lands before the route hears of it) is seeing this
+        replica's own reward, not a late turn. If the route then fails, `poll` still learns of a
+        reward that was committed after all (`closed_since`)."""
+        self._closing[run_id] = self._closing.get(run_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._closing.pop(run_id) - 1
+            if left:
+                self._closing[run_id] = left
 
     def is_closed(self, run_id: str) -> bool:
         """From memory only; a run never seen is open, and checked in the background (`poll`)."""
@@ -158,7 +175,7 @@ class RunState:
                 log.warning("run state: could not check %d runs (%s); they stay open", len(ids), exc)
                 continue
             for run_id in closed:
-                if run_id in self.closed:  # closed here meanwhile (this replica stored its reward)
+                if run_id in self.closed or run_id in self._closing:  # this replica's own reward
                     continue
                 self.late += 1
                 log.warning("run %r was closed before this replica saw it: no more turns", run_id)

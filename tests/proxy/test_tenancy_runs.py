@@ -279,3 +279,33 @@ def test_a_run_rewarded_before_its_background_check_is_not_taken_for_a_late_one(
     _settled(proxy.state.runs)
     assert proxy.state.runs.lookups == 1 and proxy.state.runs.late == 0
     _closed(_chat(proxy.url, "r-1"))
+
+
+def test_a_reward_committed_before_its_route_hears_of_it_is_not_a_late_run(make_proxy, stub):
+    """The background check can read the reward's commit before the reward route (awaiting the
+    writer) marks the run closed; a run whose reward this replica is storing is its own, not a late
+    one. Without `RunState.closing` the same check counts it late (the second half)."""
+    first = make_proxy(stub.url)
+    for run_id in ("r-race", "r-other"):
+        assert _chat(first.url, run_id).status_code == 200
+        assert httpx.post(f"{first.url}/v1/runs/{run_id}/reward", json={"reward": 0.5}).status_code == 200
+    first.stop()
+
+    async def scenario() -> list:
+        from rlproxy.proxy.runstate import RunState
+        from rlproxy.storage.db import create_engine
+
+        engine = create_engine(str(first.db_path))
+        runs = RunState(engine, poll_interval=60)  # no load(): both runs are unseen here
+        try:
+            assert runs.admit("r-race") == "r-race" and runs.admit("r-other") == "r-other"
+            with runs.closing("r-race"):  # the route awaits the writer's commit meanwhile
+                await runs.check_unseen()
+                during = (runs.late, runs.is_closed("r-race"), runs.is_closed("r-other"))
+                runs.close("r-race")
+            return [during, runs.late, runs.is_closed("r-race"), runs._closing]
+        finally:
+            await engine.dispose()
+
+    # r-other was closed elsewhere: late; r-race is this replica's own reward: closed, not late
+    assert asyncio.run(scenario()) == [(1, False, True), 1, True, {}]
