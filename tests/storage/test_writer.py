@@ -323,7 +323,9 @@ async def test_flush_is_a_barrier(engine: AsyncEngine) -> None:
         w.submit(rec("r", i))
     t0 = time.monotonic()
     await w.flush()
-    assert time.monotonic() - t0 < 5 and w.depth == 0
+    # well under the 30 s interval: flush did not wait for it (the bound leaves room for a writer
+    # process still starting on a loaded box: 6.2 s once under the full suite on 2 cores)
+    assert time.monotonic() - t0 < 15 and w.depth == 0
     assert (await rows(engine, "SELECT count(*) FROM completions"))[0][0] == 3
     await w.close()
     await w.flush()  # after close: returns at once
