@@ -23,10 +23,10 @@ forwarded, captured and stored as `request`, and the chat answer is translated b
 `POST /v1/messages` (Anthropic's Messages API) is served the same way (`proxy/messages.py`), and
 `POST /v1/messages/count_tokens` over the upstream's `/tokenize`.
 
-A client that hangs up cancels its upstream call: a stream's relay races the stream against the
-client's `http.disconnect` (`proxy/stream.py`), and a non-streaming call is cancelled when the
-protocol says the connection is lost (`_unless_gone`, `server.Hangup`): that closes its pooled
-connection, so the engine drops the request at once; the completion is stored `cancelled` (499).
+A client that hangs up cancels its upstream call, streaming (`proxy/stream.py`) or not
+(`_unless_gone`): the protocol says the connection is lost (`server.hangup_calls`), the call is
+cancelled, which closes its pooled connection, so the engine drops the request at once; the
+completion is stored `cancelled` (499).
 """
 
 from __future__ import annotations
