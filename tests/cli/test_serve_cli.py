@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -32,6 +33,23 @@ def filled_db(make_proxy, stub) -> Path:
     assert httpx.post(f"{proxy.url}/v1/runs/a/reward", json={"reward": 0.25}).status_code == 200
     proxy.stop()
     return proxy.db_path
+
+
+def _settled(db: Path) -> bytes:
+    """The file's bytes once everything in its write-ahead log is in it (a read-write connection of
+    the test's own, the proxy stopped): what a later checkpoint could change is then nothing."""
+    con = sqlite3.connect(db)
+    try:
+        busy, log_frames, _ = con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        assert busy == 0 and log_frames in (0, -1), (busy, log_frames)
+    finally:
+        con.close()
+    return db.read_bytes()
+
+
+def _pages_differ(before: bytes, after: bytes, page: int = 4096) -> list[int]:
+    n = max(len(before), len(after))
+    return [i // page + 1 for i in range(0, n, page) if before[i : i + page] != after[i : i + page]]
 
 
 def test_db_upgrade_creates_the_schema(tmp_path):
@@ -74,11 +92,14 @@ def test_sql_prints_a_table_and_json_lines(filled_db):
 )
 def test_sql_refuses_writes(filled_db, statement, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    before = filled_db.read_bytes()
+    before = _settled(filled_db)
     out = runner.invoke(app, ["sql", statement, "--db", str(filled_db)])
     assert out.exit_code != 0
     assert "error" in out.output.lower()
-    assert filled_db.read_bytes() == before
+    wal = Path(f"{filled_db}-wal")
+    assert not wal.exists() or wal.stat().st_size == 0, "the read-only connection wrote a log"
+    after = filled_db.read_bytes()
+    assert after == before, f"pages changed: {_pages_differ(before, after)} of {len(before) // 4096}"
     assert not (tmp_path / "other.db").exists()
 
 
