@@ -110,6 +110,18 @@ def sqlite_path(url: str) -> str | None:
     return db[5:] if db.startswith("file:") else db
 
 
+def _never_create(url: str) -> str:
+    """`url` for a SQLite file that exists, as a URI whose connections open it read-write but never
+    create it (`mode=rw`): a connection a pool opens after the file was deleted or moved then fails
+    ("unable to open database file") rather than making an empty store at its path, which the
+    writer would fill while /healthz saw another file (StoreFile). Any other URL as it is."""
+    u = make_url(url)
+    path = sqlite_path(url)
+    if path is None or u.query or (u.database or "").startswith("file:") or not os.path.isfile(path):
+        return url
+    return f"{u.drivername}:///file:{_escape(quote(path, safe='/'))}?mode=rw&uri=true"
+
+
 def _json_dumps(obj: Any) -> str:
     # orjson writes NaN/inf as null: json.dumps would write `Infinity`, which neither SQLite's
     # json functions nor PostgreSQL accept. Logprobs can be -inf.
@@ -156,7 +168,8 @@ def create_engine(
     `readonly=True` gives an engine whose connections the database itself refuses to write with.
     `busy_timeout_ms`: how long a SQLite connection waits for another process's lock before it
     fails with "database is locked". `statement_timeout_s`: statements running longer fail (for
-    users' ad-hoc queries). Extra keyword arguments go to `create_async_engine`.
+    users' ad-hoc queries). Extra keyword arguments go to `create_async_engine`. A SQLite file that
+    exists now is never created again by this engine's connections (`_never_create`).
     """
     engine = _create_engine(url, readonly, busy_timeout_ms, statement_timeout_s, dict(kwargs))
     _ORIGIN[engine.sync_engine] = (url, readonly, busy_timeout_ms, statement_timeout_s, kwargs)
@@ -234,6 +247,8 @@ def _sqlite_engine(
             raise FileNotFoundError(f"no database at {path}")
         # SQLite decodes %XX in a URI filename, SQLAlchemy decodes the URL once before that.
         url = f"sqlite+aiosqlite:///file:{_escape(quote(path, safe='/'))}?mode=ro&uri=true"
+    else:
+        url = _never_create(url)
     if readonly or statement_timeout_s:
         args["factory"] = _sqlite_factory(readonly, statement_timeout_s)
     engine = create_async_engine(url, connect_args=args, **kwargs)
@@ -256,7 +271,7 @@ def writer_engine(engine: AsyncEngine) -> AsyncEngine | InlineEngine:
     kwargs.setdefault("json_deserializer", orjson.loads)
     args = dict(kwargs.pop("connect_args", {}))
     args.setdefault("timeout", busy_timeout_ms / 1000)
-    sync_url = make_url(normalize_url(url)).set(drivername="sqlite+pysqlite")
+    sync_url = make_url(_never_create(normalize_url(url))).set(drivername="sqlite+pysqlite")
     sync = sqlalchemy.create_engine(sync_url, connect_args=args, **kwargs)
     _sqlite_events(sync, False, busy_timeout_ms)
     return InlineEngine(sync)

@@ -129,3 +129,36 @@ async def test_readonly_engine_refuses_writes(migrated_url: str, tmp_path: Path)
 def test_readonly_needs_an_existing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         create_engine(str(tmp_path / "missing.db"), readonly=True)
+
+
+async def test_a_store_deleted_under_an_engine_is_not_made_again(tmp_path: Path) -> None:
+    """A connection opened after the file was deleted (a pool growing, the writer's own engine, a
+    writer process restarted) fails; it does not make an empty store at the path, which the writer
+    would then fill while /healthz reports the file replaced rather than missing (issue 22, case 8)."""
+    from rlproxy.storage.db import writer_engine
+
+    path = tmp_path / "we ird#dir?x" / "a%20b.db"
+    upgrade(str(path))
+    eng = create_engine(str(path))
+    sync = writer_engine(eng)
+    try:
+        async with eng.begin() as conn:  # read-write while the file is there
+            await conn.execute(text("INSERT INTO runs (id, status, created_at) VALUES ('a', 'open', '2026')"))
+        await eng.dispose()
+        path.unlink()
+        with pytest.raises(DBAPIError, match="unable to open database file"):
+            async with eng.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        with pytest.raises(DBAPIError, match="unable to open database file"):
+            await (await sync.connect()).execute(text("SELECT 1"))
+        assert not path.exists()
+    finally:
+        await eng.dispose()
+        await sync.dispose()
+    fresh = create_engine(str(tmp_path / "new.db"))  # a file not there yet is created, as ever
+    try:
+        async with fresh.begin() as conn:
+            await conn.execute(text("CREATE TABLE t (x)"))
+    finally:
+        await fresh.dispose()
+    assert (tmp_path / "new.db").exists()
