@@ -236,12 +236,63 @@ def _body_and_head(model: Any) -> tuple[Any, Any]:
     return base.get_decoder(), base.get_output_embeddings()
 
 
-def row_hidden_states(model: Any, rows: Rows) -> Tensor:
+class StepPrefix:
+    """A prefix that several micro-batches of a step share (a group's task prompt), run once.
+
+    Its keys/values and last hidden states are handed to each micro-batch as leaf tensors; each
+    micro-batch's backward adds its gradient into them, and `backward()`, after the last of them,
+    runs the prefix's own backward once with the sums. Values and gradients are those of running
+    the prefix in every micro-batch (tests/trainer/test_merged_step.py), for (M - 1) x L fewer
+    positions. Its activations are kept until then: one row of L positions beyond the budget.
+    """
+
+    def __init__(self, model: Any, ids: Tensor) -> None:
+        decoder, _ = _body_and_head(model)
+        device = next(model.parameters()).device
+        L = ids.shape[-1]
+        out = decoder(
+            input_ids=ids[None].to(device), position_ids=torch.arange(L, device=device)[None], use_cache=True
+        )
+        cache = getattr(out, _cache_kwarg(model))
+        self.length = L
+        self._outputs = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        self._outputs.append(out.last_hidden_state)
+        self._leaves = [t.detach().requires_grad_(t.requires_grad) for t in self._outputs]
+
+    def cache(self, batch: int) -> Any:
+        """A cache (DynamicCache) of the prefix for `batch` rows (views: gradients add up in the leaves)."""
+        from transformers import DynamicCache
+
+        kv = self._leaves[:-1]
+        return DynamicCache(
+            [
+                (kv[i].expand(batch, -1, -1, -1), kv[i + 1].expand(batch, -1, -1, -1))
+                for i in range(0, len(kv), 2)
+            ]
+        )
+
+    def hidden(self, batch: int) -> Tensor:
+        return self._leaves[-1].expand(batch, -1, -1)
+
+    def backward(self) -> None:
+        """The prefix's backward, once, with what every micro-batch's backward added up."""
+        pairs = [
+            (o, leaf.grad)
+            for o, leaf in zip(self._outputs, self._leaves, strict=True)
+            if leaf.grad is not None
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self._outputs, self._leaves = [], []
+
+
+def row_hidden_states(model: Any, rows: Rows, prefix: StepPrefix | None = None) -> Tensor:
     """The decoder's last hidden states (B, T, H) of the rows (no LM head, no logits).
 
     With a shared prefix of L tokens it runs once (1, L) and its keys/values are fanned out to the B
     rows, whose remaining T - L positions then run on top; the gradient flows back through the
     fan-out, so values and gradients are those of running every row whole (tests/trainer/test_segments.py).
+    `prefix`: the first `prefix.length` of those tokens, already run for the step (StepPrefix).
     Gradient checkpointing keeps no KV cache: then every row runs whole.
     """
     decoder, _ = _body_and_head(model)
@@ -249,8 +300,30 @@ def row_hidden_states(model: Any, rows: Rows) -> Tensor:
     ids = rows.input_ids.to(device)
     B, T = ids.shape
     L = rows.shared
+    kw = _cache_kwarg(model)
+    if prefix is not None:
+        P = prefix.length
+        parts = [prefix.hidden(B)]
+        if L > P and B > 1:  # these rows share more: that part once, on top of the step's prefix
+            mid = decoder(
+                input_ids=ids[:1, P:L],
+                position_ids=torch.arange(P, L, device=device)[None],
+                **{kw: prefix.cache(1)},
+                use_cache=True,
+            )
+            cache = getattr(mid, kw)
+            cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))
+            parts.append(mid.last_hidden_state.expand(B, -1, -1))
+        else:
+            L, cache = P, prefix.cache(B)
+        rest = decoder(
+            input_ids=ids[:, L:],
+            position_ids=torch.arange(L, T, device=device)[None].expand(B, -1),
+            **{kw: cache},
+            use_cache=True,
+        )
+        return torch.cat([*parts, rest.last_hidden_state], dim=1)
     if L and B > 1 and not gradient_checkpointing(model):
-        kw = _cache_kwarg(model)
         first = decoder(
             input_ids=ids[:1, :L], position_ids=torch.arange(L, device=device)[None], use_cache=True
         )
@@ -283,17 +356,19 @@ def _head_chunk(
     return logp, raw, entropy, top
 
 
-def row_logprobs(model: Any, rows: Rows, chunk: int = HEAD_CHUNK) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def row_logprobs(
+    model: Any, rows: Rows, chunk: int = HEAD_CHUNK, prefix: StepPrefix | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logp, raw, entropy, top), each (N,), of the rows' trained tokens; never a (B, T, V) tensor.
 
     logp is log_softmax(z / T)[y] with gradient, T its call's temperature; raw the same at T = 1,
     entropy the tempered distribution's and top whether y is the argmax (all three without gradient).
     The hidden states that predict trained tokens are gathered (N, H) and the LM head + log-softmax
     run `chunk` positions at a time under activation checkpointing: backward recomputes each chunk's
-    logits instead of keeping them.
+    logits instead of keeping them. `prefix`: see row_hidden_states.
     """
     _, head = _body_and_head(model)
-    h = row_hidden_states(model, rows)  # (B, T, H)
+    h = row_hidden_states(model, rows, prefix)  # (B, T, H)
     device = h.device
     picked = h[rows.row.to(device), rows.col.to(device) - 1]  # (N, H): position t - 1 predicts token t
     del h

@@ -40,6 +40,10 @@ class Rows:
     policy_step: Tensor  # (N,) the adapter step that sampled each token
     ratio_group: Tensor  # (N,) gspo's ratio unit: 0..G-1, one per segment (or per call)
     segments: list[Segment] = field(default_factory=list)
+    # the prefix its cluster's micro-batches share (<= shared), run once for all of them (model.StepPrefix):
+    # `prefix_group` numbers the cluster (-1: none), `prefix_len` its length
+    prefix_group: int = -1
+    prefix_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +52,14 @@ class Rows:
     @property
     def positions(self) -> int:
         return int(self.input_ids.numel())
+
+    def positions_run(self, prefixed: bool) -> int:
+        """The positions its forward runs: each shared prefix once; `prefixed`: without the step's
+        prefix (`prefix_len`, run once for its cluster)."""
+        B, T = self.input_ids.shape
+        P = self.prefix_len if prefixed else 0
+        L = max(self.shared, P) if B > 1 else P
+        return (L - P) + B * (T - L)
 
 
 def collate_rows(segments: list[Segment], pad_id: int, ratio_by: str = "segment") -> Rows:
@@ -111,10 +123,29 @@ def micro_batches_by_tokens(
         clusters.setdefault(tuple(s.ids[:MIN_SHARED]), []).append(s)
     alone = [s for c in clusters.values() if len(c) == 1 for s in c]
     parts = [c for c in clusters.values() if len(c) > 1] + ([alone] if alone else [])
-    out: list[list[Segment]] = []
+    out: list[Rows] = []
     for part in parts:
-        out += _pack(sorted(part, key=len, reverse=True), max_rows, max_tokens)
-    return [collate_rows(part, pad_id, ratio_by) for part in out]
+        packed = _pack(sorted(part, key=len, reverse=True), max_rows, max_tokens)
+        batches = [collate_rows(p, pad_id, ratio_by) for p in packed]
+        # a cluster cut into several micro-batches: the prefix all its rows share runs once per step,
+        # not once per micro-batch (model.StepPrefix)
+        n = _common_prefix([s.ids for s in part]) if len(batches) > 1 and part is not alone else 0
+        if n:
+            for rows in batches:
+                rows.prefix_group, rows.prefix_len = len(out), n
+        out += batches
+    return out
+
+
+def _common_prefix(rows: list[list[int]]) -> int:
+    """The rows' longest common prefix, at most the shortest row minus one; 0 under MIN_SHARED."""
+    first, n = rows[0], min(len(r) for r in rows) - 1
+    for r in rows[1:]:
+        i = 0
+        while i < n and r[i] == first[i]:
+            i += 1
+        n = i
+    return n if n >= MIN_SHARED else 0
 
 
 def _pack(ordered: list[Segment], max_rows: int, max_tokens: int | None) -> list[list[Segment]]:

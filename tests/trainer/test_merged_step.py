@@ -320,3 +320,29 @@ async def test_sql_says_why_a_run_split(policy, engine, add_run) -> None:
     assert [(r.id, r.segments, json.loads(r.segment_breaks)) for r in split] == [
         ("split", 2, [{"seq": 2, "reason": "prefix_mismatch", "at": 6, "of": 9}])
     ]
+
+
+def test_a_prefix_its_micro_batches_share_runs_once_per_step(policy, monkeypatch) -> None:
+    """One row per micro-batch: the group's task prompt runs once for all of them (StepPrefix), and
+    the gradient is still the per-call oracle's to <= 1e-6."""
+    from rlproxy.trainer import step as step_module
+
+    model, tok = policy
+    runs = episodes(model, tok)
+    base = TrainerConfig(
+        loss="grpo", loss_weighting="per_call", max_grad_norm=1e9, max_policy_lag=0, micro_batch_size=1
+    )
+    oracle = old_gradients(model, tok, runs, base, current_step=1)
+    made: list[int] = []
+    real = step_module.StepPrefix
+
+    def counted(m, ids):
+        made.append(len(ids))
+        return real(m, ids)
+
+    monkeypatch.setattr(step_module, "StepPrefix", counted)
+    got, result = new_gradients(model, tok, runs, base, 1)
+    assert result.metrics["perf/micro_batches"] == 4.0
+    assert made == [20]  # the task prompt of runs a, b, c: once, not once per micro-batch
+    assert result.metrics["perf/positions_run"] < result.metrics["perf/input_tokens"] - 2 * 20
+    assert max(float((a - b).abs().max()) for a, b in zip(got, oracle, strict=True)) <= 1e-6
