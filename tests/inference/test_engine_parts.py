@@ -143,3 +143,48 @@ def test_app_turns_hermes_output_into_tool_calls(tiny_tokenizer: Any, stream: bo
         }
         plain = client.chat.completions.create(tool_choice="none", **args).choices[0]
         assert plain.message.tool_calls in (None, []) and "<tool_call>" in plain.message.content
+
+
+def test_growing_cache_decodes_like_dynamic_cache_without_copying_per_token(tiny_model_dir: Any) -> None:
+    """The engine's cache (kvbatch.GrowingLayer) gives the logits DynamicLayer gives, through a
+    prefill, decode steps, a batch change from outside (kvbatch.select: one row leaves) and more
+    steps; between two changes of the batch every step writes into the same buffer."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from rlproxy.inference import kvbatch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 200, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :4] = 0  # a left-padded row
+    caches = {"dynamic": DynamicCache(), "growing": kvbatch.new_cache()}
+    logits: dict[str, list[torch.Tensor]] = {k: [] for k in caches}
+    buffers: list[int] = []
+    with torch.inference_mode():
+        for name, cache in caches.items():
+            m = mask.clone()
+            pos = (m.cumsum(-1) - 1).clamp(min=0)
+            out = model(
+                input_ids=ids, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True
+            )
+            logits[name].append(out.logits[:, -1])
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            for step in range(2 * kvbatch.HEADROOM + 5):  # past the first buffer's room
+                if step == 7:
+                    m = kvbatch.select(cache, m, [0, 2])
+                    tok = tok[[0, 2]]
+                m = torch.cat([m, torch.ones(m.shape[0], 1, dtype=m.dtype)], dim=1)
+                pos = m.sum(-1, keepdim=True) - 1
+                out = model(
+                    input_ids=tok, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True
+                )
+                logits[name].append(out.logits[:, -1])
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                if name == "growing":
+                    buffers.append(cache.layers[0].keys.untyped_storage().data_ptr())
+    assert all(isinstance(layer, kvbatch.GrowingLayer) for layer in caches["growing"].layers)
+    for a, b in zip(logits["dynamic"], logits["growing"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # one buffer per change: the prefill's, the select's, then one more each time the room runs out
+    assert 2 <= len(set(buffers)) <= 5, len(set(buffers))
