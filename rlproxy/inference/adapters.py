@@ -16,6 +16,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -25,6 +26,7 @@ from rlproxy.errors import AdapterError
 log = logging.getLogger(__name__)
 
 BASE_SLOT = "__base__"  # peft's name for "no adapter" in a mixed batch
+_UNSET = object()  # the LoRA layers' state is not known (forward_kwargs sets it)
 
 
 @dataclass
@@ -94,6 +96,7 @@ class AdapterSlots:
         self.names: dict[str, _Slot] = {}
         self._slots: dict[str, _Slot] = {}
         self._counter = 0
+        self._route: str | None | object = _UNSET  # what the LoRA layers are set to (forward_kwargs)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -105,8 +108,30 @@ class AdapterSlots:
 
     @property
     def active(self) -> bool:
-        """Whether any adapter slot is loaded (then forward needs `adapter_names`)."""
+        """Whether any adapter slot is loaded (then forward goes through `forward_kwargs`)."""
         return self.peft is not None and bool(getattr(self.peft, "peft_config", {}))
+
+    def forward_kwargs(self, slots: list[str]) -> dict[str, Any]:
+        """What `model`'s forward needs for rows decoding with `slots`, one per row. A batch all on
+        one slot takes peft's plain path: that adapter the only active one, or the adapters off for
+        the base model. Only a batch that mixes slots gets `adapter_names`, peft's mixed-batch path,
+        which splits every LoRA layer's input by adapter: on SmolLM2-135M at 8 rows a decode step
+        took 215 ms that way against 160 ms on the plain path (the trainer's own LoRA modules, a
+        twin's, are not these)."""
+        if not self.active:
+            return {}
+        first = slots[0]
+        route = first if all(s == first for s in slots) else None
+        if route != self._route:
+            tuner = self.peft.base_model  # type: ignore[union-attr]
+            if route == BASE_SLOT:
+                tuner.disable_adapter_layers()
+            else:
+                tuner.enable_adapter_layers()
+                if route is not None:
+                    tuner.set_adapter(route, inference_mode=True)
+            self._route = route
+        return {} if route is not None else {"adapter_names": slots}
 
     def live_slots(self) -> set[str]:
         """The slots a new row can be given (the base and each name's current slot): the prefix
@@ -183,6 +208,8 @@ class AdapterSlots:
     def _load_slot(self, slot_id: str, path: str) -> None:
         from peft import PeftModel
 
+        self._route = _UNSET  # peft may change what is active
+
         if self.peft is None:
             self.peft = PeftModel.from_pretrained(self.base, path, adapter_name=slot_id, is_trainable=False)
             self.peft.eval()
@@ -196,6 +223,7 @@ class AdapterSlots:
 
     def _delete_slot(self, slot_id: str) -> None:
         self._slots.pop(slot_id, None)
+        self._route = _UNSET
         if self.peft is not None and slot_id in getattr(self.peft, "peft_config", {}):
             with warnings.catch_warnings():  # "adapter X was active, now Y": expected, rows pick slots
                 warnings.simplefilter("ignore", UserWarning)

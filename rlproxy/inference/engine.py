@@ -350,9 +350,8 @@ class Engine:
         cache: DynamicCache | None,
         slots: list[str],
     ) -> torch.Tensor:
-        kwargs: dict[str, Any] = {self._cache_kwarg: cache}
-        if self.adapters.active:
-            kwargs["adapter_names"] = slots  # peft's mixed batch: each row through its own LoRA
+        # each row through its own LoRA: peft's plain path when the rows share one, else its mixed batch
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache, **self.adapters.forward_kwargs(slots)}
         out = self.adapters.model(
             input_ids=ids,
             attention_mask=mask,

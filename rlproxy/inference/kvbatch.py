@@ -8,6 +8,8 @@ and position ids are counted over the mask, so the row computes exactly what it 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -25,7 +27,9 @@ class GrowingLayer(DynamicLayer):
     were replaced from outside (this module's splice, select, expand) or the buffer is full, the
     next update moves them into a new buffer: one copy per change of the batch, not per token."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, m = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
