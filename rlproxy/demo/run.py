@@ -209,6 +209,36 @@ def wait_policy_step(http: httpx.Client, policy: str, step: int, timeout: float 
     log.warning("policy %s did not reach step %d in %.0fs", policy, step, timeout)
 
 
+def engine_counters(http: httpx.Client) -> dict[str, float]:
+    """The embedded engine's counters from /metrics (`rlproxy_engine_*`, names without the prefix)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name.startswith("rlproxy_engine_") and not sample.name.endswith("_created"):
+                out[sample.name.removeprefix("rlproxy_engine_").removesuffix("_total")] = sample.value
+    return out
+
+
+def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Where a group's sampling went in the engine: worker seconds prefilling and decoding, decode
+    steps and their mean batch, prompt positions admitted vs run through the model."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    if not d:
+        return {}
+    steps = d.get("decode_steps", 0.0)
+    return {
+        "prefill_s": round(d.get("prefill_seconds", 0.0), 2),
+        "decode_s": round(d.get("decode_seconds", 0.0), 2),
+        "decode_steps": int(steps),
+        "mean_rows": round(d.get("decode_rows", 0.0) / steps, 2) if steps else 0.0,
+        "tokens": int(d.get("tokens", 0.0)),
+        "prompt_tokens": int(d.get("prompt_tokens", 0.0)),
+        "prefill_tokens": int(d.get("prefill_tokens", 0.0)),
+    }
+
+
 def _mean(xs: list[float]) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 
@@ -408,6 +438,7 @@ def _loop(
             if time.monotonic() + (sum(recent) / len(recent) if recent else 0.0) > deadline:
                 return "time"  # the next group would end after the deadline
             t0 = time.monotonic()
+            counters = engine_counters(http)
             episodes = agent.run_group(
                 client,
                 policy,
@@ -419,6 +450,7 @@ def _loop(
                 seed=plan.seed * 100_000 + len(rows),
             )
             sampled_s = time.monotonic() - t0
+            engine = engine_delta(counters, engine_counters(http))
             runs = wait_trained(http, episodes[0].group_id, plan.group_size, timeout=600)
             trained = [r["trained_step"] for r in runs if r["status"] == "trained" and r["trained_step"]]
             if trained:
@@ -431,6 +463,7 @@ def _loop(
                 "calls": _mean([float(len(e.replies)) for e in episodes]),  # model calls per episode
                 "seconds": round(time.monotonic() - t0, 2),
                 "sample_seconds": round(sampled_s, 2),
+                "engine": engine,  # where the sampling went (embedded engine; {} for vLLM)
                 "status": "trained" if trained else runs[0]["status"],
                 "example": episodes[0].replies,
             }

@@ -30,6 +30,7 @@ import inspect
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,6 +143,10 @@ class Engine:
             "prefill_tokens": 0,  # prompt positions run through the model
             "prompt_tokens": 0,  # prompt positions of admitted rows (what a naive prefill runs)
             "cancelled": 0,  # rows dropped by cancel()
+            "prefill_seconds": 0.0,  # worker time in prefill forwards (and their first sample)
+            "decode_seconds": 0.0,  # worker time in decode steps (forward, sample, emit)
+            "decode_steps": 0,
+            "decode_rows": 0,  # rows summed over decode steps: / decode_steps = the mean batch
         }
 
     # ---- public, any thread ---------------------------------------------------------------
@@ -297,6 +302,7 @@ class Engine:
         unique: dict[tuple[str, tuple[int, ...]], int] = {}
         source = [unique.setdefault((r.slot, tuple(r.req.prompt_ids)), len(unique)) for r in new_rows]
         firsts = [new_rows[source.index(u)] for u in range(len(unique))]
+        t0 = time.perf_counter()
         try:
             cache, mask, logits = self._prefill(firsts)  # (U, ...), logits (U, V)
         except Exception:  # only these rows fail; the running batch goes on
@@ -315,6 +321,7 @@ class Engine:
             logits = logits.index_select(0, index)
         self._splice(new_rows, cache, mask)
         self._emit(new_rows, logits)
+        self.stats["prefill_seconds"] += time.perf_counter() - t0
 
     def _prefill(self, rows: list[_Row]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """Run `rows`' prompts through the model after their cached prefixes: (cache, mask, logits)."""
@@ -336,11 +343,15 @@ class Engine:
     def _step(self) -> None:
         """One decode step for every running row."""
         assert self._mask is not None
+        t0 = time.perf_counter()
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(self._rows)
         ids = torch.tensor([[r.out_ids[-1]] for r in self._rows])  # (B, 1)
         self._mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=self._mask.dtype)], dim=1)
         positions = torch.tensor([[r.position] for r in self._rows])  # (B, 1)
         logits = self._forward(ids, self._mask, positions, self._cache, [r.slot for r in self._rows])
         self._emit(self._rows, logits)
+        self.stats["decode_seconds"] += time.perf_counter() - t0
 
     def _forward(
         self,

@@ -7,6 +7,9 @@ counters costs nothing on the worker thread; a scrape may see one step's counter
     rlproxy_engine_tokens                   tokens decoded (sampled), all rows
     rlproxy_engine_prompt_tokens            prompt positions admitted (what a naive prefill would run)
     rlproxy_engine_prefill_tokens           prompt positions actually run through the model
+    rlproxy_engine_prefill_seconds          worker seconds spent prefilling (with each new row's first token)
+    rlproxy_engine_decode_seconds           worker seconds spent in decode steps
+    rlproxy_engine_decode_steps             decode steps; _decode_rows the rows they carried, summed
     rlproxy_engine_cancelled                rows dropped because their client left
     rlproxy_engine_rows                     rows decoding now
     rlproxy_engine_prefix_cache_lookups     distinct prompts looked up in the prefix cache
@@ -48,6 +51,10 @@ class EngineCollector:
                 "prompt positions run through the model (the rest came from the prefix cache or a twin)",
                 stats["prefill_tokens"],
             ),
+            (CounterMetricFamily, "prefill_seconds", "worker seconds prefilling", stats["prefill_seconds"]),
+            (CounterMetricFamily, "decode_seconds", "worker seconds decoding", stats["decode_seconds"]),
+            (CounterMetricFamily, "decode_steps", "decode steps", stats["decode_steps"]),
+            (CounterMetricFamily, "decode_rows", "rows of decode steps, summed", stats["decode_rows"]),
             (CounterMetricFamily, "cancelled", "rows dropped because their client left", stats["cancelled"]),
             (GaugeMetricFamily, "rows", "rows decoding now", len(getattr(engine, "_rows", []))),
             (CounterMetricFamily, "prefix_cache_lookups", "distinct prompts looked up", cstats["lookups"]),

@@ -30,6 +30,12 @@ def test_fast_demo_writes_a_sane_summary(tmp_path: Path, cache_dir: Path, monkey
     assert summary["model"] == "tiny" and summary["stop_reason"] == "max_groups"
     assert 50 < summary["peak_rss_mb"] < 8000
     assert all(r["runs"] == 4 and r["status"] in ("trained", "skipped") for r in summary["rows"])
+    # where each group's sampling went in the engine: 4 two-turn episodes, every token decoded
+    for r in summary["rows"]:
+        e = r["engine"]
+        assert e["decode_steps"] > 0 and 0 < e["mean_rows"] <= 4 and e["tokens"] >= e["decode_steps"]
+        assert 0 < e["decode_s"] + e["prefill_s"] <= r["sample_seconds"]
+        assert 0 < e["prefill_tokens"] <= e["prompt_tokens"]
     # every setting the demo changed is printed and stored, with its default
     changed = summary["settings_changed"]
     assert "group_size" not in changed  # fast: groups of 4, the default

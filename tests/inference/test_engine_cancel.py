@@ -192,6 +192,11 @@ def test_disconnect_through_serve_stops_the_engine_and_stores_cancelled(
         again = {**args["json"], "max_tokens": 2, "stream": False}
         assert httpx.post(f"{base}/v1/chat/completions", json=again, timeout=60).status_code == 200
         assert _metric(base, "rlproxy_engine_prefix_cache_hits") == hits + 1
+        # where the worker's time went: prefill and decode seconds, decode steps and their rows
+        steps = _metric(base, "rlproxy_engine_decode_steps")
+        assert steps >= 1 and _metric(base, "rlproxy_engine_decode_rows") >= steps
+        assert _metric(base, "rlproxy_engine_decode_seconds") > 0
+        assert _metric(base, "rlproxy_engine_prefill_seconds") > 0
         status = None
         for _ in range(100):
             out = subprocess.run(
