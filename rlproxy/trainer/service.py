@@ -60,6 +60,7 @@ from rlproxy.trainer.batches import usable
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.culprits import nonfinite_groups
 from rlproxy.trainer.model import load_policy, pick_device, train_dtype
+from rlproxy.trainer.omp import release_workers
 from rlproxy.trainer.publish import publish_step, unload_quietly
 from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
 from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, step_columns, train_step
@@ -90,6 +91,15 @@ class Learner:
 def resolved_config(config: TrainerConfig) -> dict[str, Any]:
     """The trainer's settings as JSON (only TrainerConfig fields: a Settings object may hold secrets)."""
     return {k: getattr(config, k) for k in TrainerConfig.model_fields}
+
+
+def _then_release(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn` on the trainer thread, then that thread's OpenMP workers ended (omp.py): alive and idle
+    between steps they halve the engine's decode speed in this process."""
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        release_workers()
 
 
 class TrainerService:
@@ -196,7 +206,9 @@ class TrainerService:
         """Run torch work on the trainer thread (never on the event loop)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, "rlproxy-trainer", initializer=self._init_thread)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, partial(_then_release, fn, *args, **kwargs)
+        )
 
     def _init_thread(self) -> None:
         if self.config.train_threads:

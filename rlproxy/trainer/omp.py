@@ -1,0 +1,39 @@
+"""Hand a thread's idle OpenMP workers back, so they do not slow the engine's.
+
+torch's CPU kernels run on an OpenMP pool per calling thread, and the pool's workers live as long
+as that thread. The trainer thread is alive between steps, so its pool is too; with more OpenMP
+workers alive than cores, libgomp stops letting any worker spin between parallel regions, and the
+engine's thread, which runs hundreds of small regions per decode step, then sleeps and wakes in
+every one of them: its decode steps took ~2x as long whenever a trainer had run in the process
+(docs/engine.md, "Sampling after a step"). OpenMP 5's `omp_pause_resource_all` ends the calling
+thread's pool; the next parallel region there starts a new one, which costs well under a millisecond.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from functools import cache
+
+log = logging.getLogger(__name__)
+
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: end the threads, keep the settings
+
+
+@cache
+def _pause_all() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(None).omp_pause_resource_all  # the runtime torch loaded (libgomp, libomp)
+    except (AttributeError, OSError):
+        log.debug("no omp_pause_resource_all in this process: idle OpenMP workers stay")
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def release_workers() -> bool:
+    """End the calling thread's OpenMP workers (call it outside any parallel region, between two
+    pieces of torch work); False where the runtime has no pause (then nothing changes)."""
+    fn = _pause_all()
+    return fn is not None and fn(OMP_PAUSE_SOFT) == 0
