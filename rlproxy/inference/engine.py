@@ -45,6 +45,7 @@ from rlproxy.inference.prefix_cache import PrefixCache
 from rlproxy.inference.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprob
 from rlproxy.inference.shared_base import twin_model
 from rlproxy.inference.textstream import TextStream
+from rlproxy.omp import release_workers
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,8 @@ class Engine:
         waiting: list[GenRequest] = []
         while not self._stopping:
             block = not self._rows and not waiting
+            if block:  # idle until the next request: its OpenMP workers would slow a trainer's
+                release_workers()
             try:
                 self._drain(waiting, block)
                 self._drop_cancelled(waiting)

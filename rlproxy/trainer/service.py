@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from rlproxy.inference.backend import Backend, SharesWeights, adapter_name
+from rlproxy.omp import release_workers
 from rlproxy.storage.db import create_engine
 from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.leader import LeaderLock
@@ -60,7 +61,6 @@ from rlproxy.trainer.batches import usable
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.culprits import nonfinite_groups
 from rlproxy.trainer.model import load_policy, pick_device, train_dtype
-from rlproxy.trainer.omp import release_workers
 from rlproxy.trainer.publish import publish_step, unload_quietly
 from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
 from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, step_columns, train_step

@@ -1,4 +1,5 @@
-"""The trainer thread ends its OpenMP workers after each piece of torch work (rlproxy/trainer/omp.py).
+"""Threads that run torch end their OpenMP workers when idle (rlproxy/omp.py): the trainer's after
+each piece of torch work, the engine's before it waits for the next request.
 
 Read on the OS side: /proc/self/task lists the process's threads, and a thread's first parallel
 region with N torch threads starts N-1 OpenMP workers; ended, they are gone from that list.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,8 @@ import torch
 from sqlalchemy.ext.asyncio import AsyncEngine
 from test_service import RecordingBackend, add_group
 
+from rlproxy.omp import release_workers
 from rlproxy.trainer.config import TrainerConfig
-from rlproxy.trainer.omp import release_workers
 from rlproxy.trainer.service import TrainerService
 
 pytestmark = pytest.mark.skipif(
@@ -80,3 +82,36 @@ async def test_trainer_thread_holds_no_workers_between_steps(
         assert tasks() == idle
     finally:
         await svc.stop()
+
+
+def test_engine_thread_holds_no_workers_while_idle(tiny_model_dir: Path) -> None:
+    from rlproxy.inference.engine import Engine, GenRequest
+    from rlproxy.inference.sampling import SamplingParams
+
+    engine = Engine(str(tiny_model_dir), threads=2, max_batch=4)
+    engine.start()
+    try:
+        finished = threading.Semaphore(0)
+        params = SamplingParams(max_tokens=8, seed=0)
+        sink = lambda d: d.finish_reason and finished.release()  # noqa: E731
+        engine.submit(GenRequest("r", engine.tokenizer.encode("hello there"), params, sink, n=2))
+        assert finished.acquire(timeout=60) and finished.acquire(timeout=60)
+        idle = _settled()
+        # work on the engine's thread: a worker starts only if the idle thread had none
+        inside = engine.call(lambda: (parallel_work(), tasks())[1]).result(timeout=60)
+        assert inside == idle + 1, "the idle engine thread still had its OpenMP worker"
+        assert _settled() == idle  # idle again: ended again
+    finally:
+        engine.close()
+
+
+def _settled(timeout: float = 10.0) -> int:
+    """The thread count once it stops changing (the engine ends its workers as it goes idle)."""
+    deadline, last = time.monotonic() + timeout, tasks()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = tasks()
+        if now == last:
+            return now
+        last = now
+    return last

@@ -1,12 +1,13 @@
-"""Hand a thread's idle OpenMP workers back, so they do not slow the engine's.
+"""Hand a thread's idle OpenMP workers back, so they do not slow another thread's.
 
 torch's CPU kernels run on an OpenMP pool per calling thread, and the pool's workers live as long
-as that thread. The trainer thread is alive between steps, so its pool is too; with more OpenMP
-workers alive than cores, libgomp stops letting any worker spin between parallel regions, and the
-engine's thread, which runs hundreds of small regions per decode step, then sleeps and wakes in
-every one of them: its decode steps took ~2x as long whenever a trainer had run in the process
-(docs/engine.md, "Sampling after a step"). OpenMP 5's `omp_pause_resource_all` ends the calling
-thread's pool; the next parallel region there starts a new one, which costs well under a millisecond.
+as that thread. With more OpenMP workers alive than cores, libgomp stops letting any worker spin
+between parallel regions, so a thread that runs many small regions (the engine's decode step:
+hundreds) sleeps and wakes in each one. In one process the engine and the trainer each have a
+thread: the trainer's pool, idle between steps, made the engine decode ~1.5x slower after every
+step, and the engine's, idle between groups, slowed the trainer's steps (docs/engine.md, "Sampling
+after a step"). OpenMP 5's `omp_pause_resource_all` ends the calling thread's pool; the next parallel
+region there starts a new one, in well under a millisecond. Both threads call it when they go idle.
 """
 
 from __future__ import annotations
