@@ -154,7 +154,6 @@ def test_runs_stick_to_one_replica(replicas, make_proxy, tiny_model_dir):
 def test_stopping_a_replica_keeps_serving(replicas, make_proxy, tiny_model_dir):
     # probes far apart: the requests themselves must notice the stopped replica and go elsewhere
     proxy = _proxy(make_proxy, replicas, tiny_model_dir, upstream_probe_interval=60.0)
-    pool = proxy.state.upstream
     runs = [f"run-k{i}" for i in range(8)]
     failures: list[BaseException] = []
     served = [0]
@@ -176,7 +175,6 @@ def test_stopping_a_replica_keeps_serving(replicas, make_proxy, tiny_model_dir):
         _wait(lambda: served[0] >= 12, 120, "traffic on both replicas")
         on_b = replicas[1].runs()
         assert on_b, "no run on the replica about to stop"
-        in_flight_on_b = pool.replicas[1].inflight
         replicas[1].stop()
         before = served[0]
         _wait(lambda: served[0] >= before + 16, 120, "traffic after the stop")
@@ -184,8 +182,9 @@ def test_stopping_a_replica_keeps_serving(replicas, make_proxy, tiny_model_dir):
         for f in futures:
             f.result()
 
-    # only requests already in flight on the stopped replica may fail (a graceful stop lets them finish)
-    assert len(failures) <= in_flight_on_b, failures
+    # only requests in flight on the replica as it stopped may fail: at most one per worker (a count
+    # of its in-flight requests read just before the stop races with the next one the pool sends it)
+    assert len(failures) <= 4, failures
     # the runs that were on it moved to the other replica, and every later turn is served
     before_a = replicas[0].runs()
     assert on_b <= before_a
