@@ -95,7 +95,7 @@ def resolved_config(config: TrainerConfig) -> dict[str, Any]:
 
 def _then_release(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """`fn` on the trainer thread, then that thread's OpenMP workers ended (omp.py): alive and idle
-    between steps they halve the engine's decode speed in this process."""
+    between steps they slow the engine's decoding in this process ~1.5-2x."""
     try:
         return fn(*args, **kwargs)
     finally:
