@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.storage.db import create_engine, upgrade
 from rlproxy.storage.models import Completion, Run
+from rlproxy.trainer.config import TrainerConfig
 
 torch.set_num_threads(1)  # the machine is shared: one thread per test process
 
@@ -76,3 +78,15 @@ async def _add_run(
 def add_run() -> Any:
     """`await add_run(engine, run_id, group_id=..., reward=..., completions=[...])` inserts a run."""
     return _add_run
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> TrainerConfig:
+    """A service's settings: steps of one group of 4, polled fast (test_step.py has its own)."""
+    return TrainerConfig(
+        group_size=4,
+        groups_per_step=1,
+        learning_rate=1e-3,
+        checkpoint_dir=str(tmp_path / "ck"),
+        poll_interval=0.05,
+    )

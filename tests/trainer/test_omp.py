@@ -61,17 +61,11 @@ def test_release_ends_the_calling_threads_workers_and_they_come_back():
 
 
 async def test_trainer_thread_holds_no_workers_between_steps(
-    engine: AsyncEngine, add_run: Any, db_url: str, tiny_model_dir: Path, tmp_path: Path
+    engine: AsyncEngine, add_run: Any, db_url: str, tiny_model_dir: Path, config: TrainerConfig
 ) -> None:
-    config = TrainerConfig(
-        group_size=4,
-        groups_per_step=1,
-        learning_rate=1e-3,
-        checkpoint_dir=str(tmp_path / "ck"),
-        train_threads=2,
-    )
     await add_group(engine, add_run, "A", [1.0, 0.0, 0.5, 0.25])
-    svc = TrainerService(config, db_url, RecordingBackend(tiny_model_dir))
+    two_threads = config.model_copy(update={"train_threads": 2})
+    svc = TrainerService(two_threads, db_url, RecordingBackend(tiny_model_dir))
     try:
         assert (await svc.step_once())["step"] == 1
         assert svc._executor is not None

@@ -66,17 +66,6 @@ async def statuses(engine: AsyncEngine) -> dict[str, tuple[str, int | None]]:
         }
 
 
-@pytest.fixture
-def config(tmp_path: Path) -> TrainerConfig:
-    return TrainerConfig(
-        group_size=4,
-        groups_per_step=1,
-        learning_rate=1e-3,
-        checkpoint_dir=str(tmp_path / "ck"),
-        poll_interval=0.05,
-    )
-
-
 async def test_step_once_trains_publishes_commits(
     engine: AsyncEngine, add_run: Any, db_url: str, tiny_model_dir: Path, config: TrainerConfig
 ) -> None:
