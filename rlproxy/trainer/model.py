@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from rlproxy.errors import ModelError
 from rlproxy.trainer.batches import Batch
@@ -340,20 +339,55 @@ def row_hidden_states(model: Any, rows: Rows, prefix: StepPrefix | None = None) 
     return decoder(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
 
 
-def _head_chunk(
-    head: Any, h: Tensor, targets: Tensor, inv_temp: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(logp at T, raw logp at T = 1, entropy at T, target is argmax) of n positions: (n, H) -> 4 x (n,)."""
-    z = head(h).float()  # (n, V)
-    zt = z * inv_temp.unsqueeze(-1)
-    lse = torch.logsumexp(zt, dim=-1)  # (n,)
-    logp = zt.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.no_grad():
-        raw = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-        p = torch.exp(zt - lse.unsqueeze(-1))
-        entropy = lse - torch.where(p > 0, p * zt, 0.0).sum(-1)  # a -inf logit adds 0, not NaN
-        top = z.argmax(-1) == targets  # SFT's token accuracy
-    return logp, raw, entropy, top
+def _chunk_stats(z: Tensor, targets: Tensor, inv_temp: Tensor | None) -> tuple[Tensor, ...]:
+    """(logp at T, raw logp at T = 1, entropy at T, target is argmax, logsumexp at T), each (n,), of
+    n positions' fp32 logits z (n, V). z is overwritten: it ends as the tempered log-probabilities."""
+    y = targets.unsqueeze(-1)
+    raw = z.gather(-1, y).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    top = z.argmax(-1) == targets  # SFT's token accuracy
+    if inv_temp is not None:
+        z.mul_(inv_temp.unsqueeze(-1))
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.sub_(lse.unsqueeze(-1)).gather(-1, y).squeeze(-1)
+    entropy = -z.exp().mul_(z).nansum(-1)  # p log p; at a -inf logit 0 x -inf is NaN, which nansum drops
+    return logp, raw, entropy, top, lse
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """The LM head and the log-softmax of n positions (n, H) -> (logp, raw, entropy, top), each (n,).
+
+    Only logp has a gradient. The (n, V) logits live only inside forward and, recomputed, inside
+    backward (activation checkpointing of the head by hand): forward keeps h and the logsumexp (n,),
+    backward rebuilds the softmax from them in place, d logp / d z = (onehot(y) - p) / T, and sends
+    that through the head once; each (n, V) pass runs once instead of once per autograd node.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, h: Tensor, targets: Tensor, inv_temp: Tensor | None, head: Any
+    ) -> tuple[Tensor, ...]:
+        with torch.no_grad():
+            logp, raw, entropy, top, lse = _chunk_stats(head(h).float(), targets, inv_temp)
+        ctx.head = head
+        ctx.save_for_backward(h, targets, inv_temp, lse)
+        ctx.mark_non_differentiable(raw, entropy, top)
+        return logp, raw, entropy, top
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor, *_: Tensor) -> tuple[Tensor | None, None, None, None]:
+        h, targets, inv_temp, lse = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = h.detach().requires_grad_(h.requires_grad)
+            z = ctx.head(leaf)
+        with torch.no_grad():
+            scale = g if inv_temp is None else g * inv_temp  # (n,): d logp / d z = scale x (onehot - p)
+            dz = z.detach().float()  # in place on the logits: the head's own backward never reads them
+            if inv_temp is not None:
+                dz.mul_(inv_temp.unsqueeze(-1))
+            dz.sub_(lse.unsqueeze(-1)).exp_().mul_(-scale.unsqueeze(-1))
+            dz.scatter_add_(-1, targets.unsqueeze(-1), scale.unsqueeze(-1))
+        torch.autograd.backward(z, dz.to(z.dtype))  # the head's backward: into h, and its weights if trained
+        return leaf.grad, None, None, None
 
 
 def row_logprobs(
@@ -364,8 +398,8 @@ def row_logprobs(
     logp is log_softmax(z / T)[y] with gradient, T its call's temperature; raw the same at T = 1,
     entropy the tempered distribution's and top whether y is the argmax (all three without gradient).
     The hidden states that predict trained tokens are gathered (N, H) and the LM head + log-softmax
-    run `chunk` positions at a time under activation checkpointing: backward recomputes each chunk's
-    logits instead of keeping them. `prefix`: see row_hidden_states.
+    run `chunk` positions at a time (_HeadLogprobs): backward recomputes each chunk's logits instead
+    of keeping them. `prefix`: see row_hidden_states.
     """
     _, head = _body_and_head(model)
     h = row_hidden_states(model, rows, prefix)  # (B, T, H)
@@ -374,14 +408,16 @@ def row_logprobs(
     del h
     targets = rows.targets.to(device)
     temp = rows.temperature
-    inv = torch.ones(len(targets), device=device) if temp is None else 1.0 / temp.to(device)
+    inv = None if temp is None else 1.0 / temp.to(device)
     parts = []
     for c0 in range(0, len(targets), chunk):
-        args = (picked[c0 : c0 + chunk], targets[c0 : c0 + chunk], inv[c0 : c0 + chunk])
+        h, y = picked[c0 : c0 + chunk], targets[c0 : c0 + chunk]
+        t = None if inv is None else inv[c0 : c0 + chunk]
         if torch.is_grad_enabled() and picked.requires_grad:
-            parts.append(checkpoint(_head_chunk, head, *args, use_reentrant=False))
+            parts.append(_HeadLogprobs.apply(h, y, t, head))
         else:
-            parts.append(_head_chunk(head, *args))
+            with torch.no_grad():
+                parts.append(_chunk_stats(head(h).float(), y, t)[:4])
     if not parts:
         empty = torch.zeros(0, device=device)
         return empty, empty, empty, empty.bool()
