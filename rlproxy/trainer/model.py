@@ -343,11 +343,11 @@ def _chunk_stats(z: Tensor, targets: Tensor, inv_temp: Tensor | None) -> tuple[T
     """(logp at T, raw logp at T = 1, entropy at T, target is argmax, logsumexp at T), each (n,), of
     n positions' fp32 logits z (n, V). z is overwritten: it ends as the tempered log-probabilities."""
     y = targets.unsqueeze(-1)
-    raw = z.gather(-1, y).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    lse = torch.logsumexp(z, dim=-1)  # at T = 1
+    raw = z.gather(-1, y).squeeze(-1) - lse
     top = z.argmax(-1) == targets  # SFT's token accuracy
-    if inv_temp is not None:
-        z.mul_(inv_temp.unsqueeze(-1))
-    lse = torch.logsumexp(z, dim=-1)
+    if inv_temp is not None:  # tempered: a second logsumexp; at T = 1 the first is the one
+        lse = torch.logsumexp(z.mul_(inv_temp.unsqueeze(-1)), dim=-1)
     logp = z.sub_(lse.unsqueeze(-1)).gather(-1, y).squeeze(-1)
     entropy = -z.exp().mul_(z).nansum(-1)  # p log p; at a -inf logit 0 x -inf is NaN, which nansum drops
     return logp, raw, entropy, top, lse
