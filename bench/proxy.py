@@ -30,6 +30,9 @@ a trainer sharing its store). The event loop's lag is the proxy's own histogram
        chat request sent directly, so "added" includes the translation both ways.
     6. `POST /v1/messages` (Anthropic's Messages API, served the same way): latency at c=1 (goal
        added p50 <= 1 ms) and streaming throughput at 64 (goal >= 0.9x).
+    7. The floor, in the chat cases: bench/bare_relay.py (uvicorn as `serve` runs it and the same
+       upstream client, nothing checked or captured) in the same alternating slices, so what rlproxy's
+       own work adds is read off this machine, not against absolute goals set on another.
 
     python bench/proxy.py            # 10 s per measurement
     python bench/proxy.py --quick    # 3 s per measurement
@@ -439,6 +442,28 @@ class Proxy:
 RAMP_S = 2.0  # wrk runs this long before the window opens: LiteLLM's first 64 answers take ~2 s
 
 
+class Floor:
+    """bench/bare_relay.py under uvicorn as `serve` runs it: the stack's own cost, nothing captured."""
+
+    def __init__(self, stub_url: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "BARE_RELAY_UPSTREAM": stub_url.removeprefix("http://")}
+        cmd = [sys.executable, "-m", "uvicorn", "bench.bare_relay:app", "--port", str(self.port)]
+        cmd += ["--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+        atexit.register(self.proc.kill)
+        wait_http(f"{self.url}/healthz")  # any answer: the relay forwards it to the stub
+        self.ps = psutil.Process(self.proc.pid)
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.ps)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(20)
+
+
 def cpu_seconds(ps: psutil.Process | None) -> float:
     if ps is None:
         return 0.0
@@ -694,11 +719,12 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
         [sys.executable, str(ROOT / "tests" / "stub_upstream.py"), "--port", str(stub_port)],
         stdout=subprocess.DEVNULL,
     )
-    proxy = rewarder = None
+    proxy = rewarder = floor = None
     failures: list[str] = []
     try:
         wait_http(f"{stub_url}/health")
         proxy = Proxy(stub_url, db_path)
+        floor = Floor(stub_url)
         rewarder = Rewarder(proxy.url, db_path, args.reward_share, args.turns)
         direct = f"{stub_url}/v1/chat/completions"
         via = {
@@ -708,6 +734,7 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
         }
         # warm up both paths (connection pools, code paths, SQLite file)
         wrk(direct, script, 4, 1, "", 0, False)
+        wrk(f"{floor.url}/v1/chat/completions", script, 4, 1, "", 0, False)
         for route in via:
             wrk(via[route], script, 4, 1, "warmup", 0, False, route=route, turns=args.turns)
             wrk(via[route], script, 4, 1, "warmup-s", 0, True, route=route, turns=args.turns)
@@ -725,14 +752,28 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
         for i, (name, conns, delay, stream, route, tagged, poll) in enumerate(cases):
             # alternate direct and proxy slices so that background load hits both alike
             run_id = f"bench-{i}"
-            ds, ps = [], []
-            forwarded, cpu, wcpu = 0, 0.0, 0.0
+            ds, ps, fs = [], [], []
+            forwarded, cpu, wcpu, fcpu = 0, 0.0, 0.0, 0.0
             lag = {}
             poller = Poller(db_path, args.poll_interval) if poll else None
             rewarder.watch(run_id if tagged else None)
             turns = args.turns if tagged else 0
             for r in range(rounds):
                 ds.append(wrk(direct, script, conns, secs / rounds, "", delay, stream))
+                if route == "chat":  # the floor relays the same request (the stub's chat route)
+                    before_fcpu = floor.cpu()
+                    fs.append(
+                        wrk(
+                            f"{floor.url}/v1/chat/completions",
+                            script,
+                            conns,
+                            secs / rounds,
+                            "",
+                            delay,
+                            stream,
+                        )
+                    )
+                    fcpu += floor.cpu() - before_fcpu
                 before_stub, before_lag = stub_count(stub_url), loop_lag(proxy.url)
                 before_cpu, before_wcpu = proxy.cpu(), proxy.writer_cpu()
                 slice_id = (
@@ -773,6 +814,13 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
                 f"  proxy  : {p['rps']:8.0f} req/s  p50 {p['p50_ms']:.3f} ms  p99 {p['p99_ms']:.3f} ms"
                 f"  (non-2xx {p['non2xx']}, socket errors {p['socket_errors']})"
             )
+            if fs:
+                f = combine(fs)
+                print(
+                    f"  floor  : {f['rps']:8.0f} req/s  p50 {f['p50_ms']:.3f} ms  p99 {f['p99_ms']:.3f} ms"
+                    f"  {fcpu / max(f['requests'], 1) * 1000:.3f} CPU-s per 1,000"
+                    " (bench/bare_relay.py: uvicorn + the same upstream client, nothing captured)"
+                )
             print(
                 f"  event-loop lag: p50 <= {lag50:g} ms, p99 <= {lag99:g} ms"
                 f" (bucket bounds; {lag.get(float('inf'), 0):.0f} samples)"
@@ -789,6 +837,12 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
                     f" (goal <= {GOALS['add_p99_ms']}), loop lag p99 goal <= {GOALS['lag_p99_ms']} ms"
                     f"  {'OK' if ok else 'MISSED'}"
                 )
+                if fs:
+                    print(
+                        f"  added by the floor: p50 {f['p50_ms'] - d['p50_ms']:.3f} ms,"
+                        f" p99 {f['p99_ms'] - d['p99_ms']:.3f} ms; rlproxy over the floor:"
+                        f" p50 {p['p50_ms'] - f['p50_ms']:.3f} ms, p99 {p['p99_ms'] - f['p99_ms']:.3f} ms"
+                    )
                 if not ok and tagged:
                     failures.append(name)
             else:
@@ -797,6 +851,7 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
                 print(
                     f"  throughput proxy/direct: {ratio:.3f} (goal >= {GOALS['ratio']})"
                     f"  {'OK' if ok else 'MISSED'}"
+                    + (f"; floor/direct {f['rps'] / d['rps']:.3f}" if fs else "")
                 )
                 if not ok:
                     failures.append(name)
@@ -850,6 +905,8 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
             rewarder.close()
         if proxy is not None:
             proxy.stop()
+        if floor is not None:
+            floor.stop()
         stub.terminate()
         stub.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
