@@ -44,6 +44,7 @@ from rlproxy.inference.adapters import BASE_SLOT, AdapterSlots
 from rlproxy.inference.prefix_cache import PrefixCache
 from rlproxy.inference.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprob
 from rlproxy.inference.shared_base import twin_model
+from rlproxy.inference.skinny import SplitLinears
 from rlproxy.inference.textstream import TextStream
 from rlproxy.omp import release_workers
 
@@ -115,6 +116,7 @@ class Engine:
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load model from {model_path}: {exc}") from exc
         model.eval()
+        self._split = SplitLinears(model)  # decode steps read the weights on every thread (skinny.py)
         self.adapters = AdapterSlots(model, self.served_name)
         cfg = model.config
         self.max_model_len = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
@@ -352,7 +354,11 @@ class Engine:
         ids = torch.tensor([[r.out_ids[-1]] for r in self._rows])  # (B, 1)
         self._mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=self._mask.dtype)], dim=1)
         positions = torch.tensor([[r.position] for r in self._rows])  # (B, 1)
-        logits = self._forward(ids, self._mask, positions, self._cache, [r.slot for r in self._rows])
+        self._split.parts = torch.get_num_threads()
+        try:
+            logits = self._forward(ids, self._mask, positions, self._cache, [r.slot for r in self._rows])
+        finally:
+            self._split.parts = 0
         self._emit(self._rows, logits)
         self.stats["decode_seconds"] += time.perf_counter() - t0
 
