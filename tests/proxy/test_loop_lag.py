@@ -13,9 +13,9 @@ import time
 
 import uvloop
 
-from rlproxy.proxy.metrics import Metrics
+from rlproxy.proxy.metrics import _LAG_BUCKETS, Metrics
 
-_BOUNDS = [0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
+_BOUNDS = list(_LAG_BUCKETS)  # the histogram's own bucket bounds
 
 
 def _sample(stall_s: float) -> tuple[list[float], float]:
