@@ -100,15 +100,18 @@ def test_engine_thread_holds_no_workers_while_idle(tiny_model_dir: Path) -> None
         engine.close()
 
 
-def _settled(timeout: float = 10.0) -> int:
-    """The thread count once it stops changing: an ended OpenMP worker leaves /proc/self/task only
-    once its thread has exited, a moment after `omp_pause_resource_all` returns (CI read it at once
-    and saw it still there), and the engine ends its workers as it goes idle."""
+def _settled(timeout: float = 10.0, quiet: float = 1.0) -> int:
+    """The thread count once it has not changed for `quiet` seconds: an ended OpenMP worker leaves
+    /proc/self/task only once its thread has exited, a moment after `omp_pause_resource_all`
+    returns (CI read it at once and saw it still there), and the engine ends its workers as it goes
+    idle."""
     deadline, last = time.monotonic() + timeout, tasks()
+    since = time.monotonic()
     while time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.1)
         now = tasks()
-        if now == last:
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
             return now
-        last = now
     return last
