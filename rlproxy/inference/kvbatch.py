@@ -21,11 +21,23 @@ HEADROOM = 64  # columns a layer's buffer keeps free beyond a quarter of its len
 
 
 class GrowingLayer(DynamicLayer):
-    """A layer whose keys and values are views of a buffer with room to grow: a decode step writes
-    its new column in place. DynamicLayer concatenates instead, copying the whole cache every step
-    (at 1,500 positions x 8 rows, SmolLM2's 30 layers copied ~550 MB per token). When the tensors
-    were replaced from outside (this module's splice, select, expand) or the buffer is full, the
-    next update moves them into a new buffer: one copy per change of the batch, not per token."""
+    """A layer whose keys and values are views `buf[:rows, :, start : start + n]` of a buffer with
+    room to grow: a decode step writes its new column in place. DynamicLayer concatenates instead,
+    copying the whole cache every step (at 1,500 positions x 8 rows, SmolLM2's 30 layers copied
+    ~550 MB per token). A change of the batch works on the buffer too: a leaving row moves the later
+    rows up in place (`keep_rows`), a join writes both sides into one new buffer (`splice`). When the
+    tensors were replaced from outside (`expand`, another cache's code) or the buffer is full, the
+    next update moves them into a new buffer."""
+
+    def owns(self) -> bool:
+        """Whether keys and values are still this layer's own views of its buffer."""
+        return self.keys is getattr(self, "_kview", None) and self.values is getattr(self, "_vview", None)
+
+    def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor, rows: int, start: int, n: int) -> None:
+        """Make `buf[:rows, :, start : start + n]` this layer's keys and values."""
+        self._kbuf, self._vbuf, self._start = kbuf, vbuf, start
+        self.keys = self._kview = kbuf[:rows, :, start : start + n]
+        self.values = self._vview = vbuf[:rows, :, start : start + n]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -33,19 +45,30 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, m = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
-        ours = self.keys is getattr(self, "_kview", None) and self.values is getattr(self, "_vview", None)
-        if not ours or n + m > self._kbuf.shape[-2]:
+        if self.owns() and self._start + n + m <= self._kbuf.shape[-2]:
+            start = self._start
+        else:
             b, h, _, d = key_states.shape
             room = n + m + max(HEADROOM, (n + m) // 4)
             kbuf, vbuf = key_states.new_empty(b, h, room, d), value_states.new_empty(b, h, room, d)
             if n:
                 kbuf[:, :, :n], vbuf[:, :, :n] = self.keys, self.values
-            self._kbuf, self._vbuf = kbuf, vbuf
-        self._kbuf[:, :, n : n + m] = key_states
-        self._vbuf[:, :, n : n + m] = value_states
-        self.keys = self._kview = self._kbuf[:, :, : n + m]
-        self.values = self._vview = self._vbuf[:, :, : n + m]
+            self._kbuf, self._vbuf, start = kbuf, vbuf, 0
+        rows = key_states.shape[0]
+        self._kbuf[:rows, :, start + n : start + n + m] = key_states
+        self._vbuf[:rows, :, start + n : start + n + m] = value_states
+        self.adopt(self._kbuf, self._vbuf, rows, start, n + m)
         return self.keys, self.values
+
+    def keep_rows(self, keep: list[int], trim: int) -> None:
+        """Keep rows `keep` (ascending) without their first `trim` columns, in place: each kept row
+        after a removed one moves up (one row's copy), the trimmed columns are left behind."""
+        start, n = self._start + trim, self.keys.shape[-2] - trim
+        for i, k in enumerate(keep):
+            if i != k:  # i < k: row k is read before anything overwrites it
+                self._kbuf[i, :, start : start + n] = self._kbuf[k, :, start : start + n]
+                self._vbuf[i, :, start : start + n] = self._vbuf[k, :, start : start + n]
+        self.adopt(self._kbuf, self._vbuf, len(keep), start, n)
 
 
 def new_cache() -> DynamicCache:
@@ -99,10 +122,26 @@ def splice(
     old_cache: DynamicCache, old_mask: torch.Tensor, cache: DynamicCache, mask: torch.Tensor
 ) -> torch.Tensor:
     """Append `cache`'s rows to `old_cache` (in place), left-padding whichever side is shorter;
-    returns the joined mask."""
+    returns the joined mask. A GrowingLayer gets one new buffer with room to grow, each side
+    copied into it once."""
     old_t, new_t = old_mask.shape[1], mask.shape[1]
     t = max(old_t, new_t)
     for old_layer, new_layer in zip(old_cache.layers, cache.layers, strict=True):
+        if isinstance(old_layer, GrowingLayer) and old_layer.is_initialized:
+            a, b = old_layer.keys.shape[0], new_layer.keys.shape[0]
+            h, d = old_layer.keys.shape[1], old_layer.keys.shape[3]
+            room = t + max(HEADROOM, t // 4)
+            bufs = []
+            for attr in ("keys", "values"):
+                old, new = getattr(old_layer, attr), getattr(new_layer, attr)
+                buf = old.new_empty(a + b, h, room, d)
+                buf[:a, :, : t - old_t].zero_()
+                buf[:a, :, t - old_t : t] = old
+                buf[a:, :, : t - new_t].zero_()
+                buf[a:, :, t - new_t : t] = new
+                bufs.append(buf)
+            old_layer.adopt(bufs[0], bufs[1], a + b, 0, t)
+            continue
         for attr in ("keys", "values"):
             a = F.pad(getattr(old_layer, attr), (0, 0, t - old_t, 0))  # (B, H, T, D)
             b = F.pad(getattr(new_layer, attr), (0, 0, t - new_t, 0))
@@ -111,11 +150,16 @@ def splice(
 
 
 def select(cache: DynamicCache, mask: torch.Tensor, keep: list[int]) -> torch.Tensor:
-    """Keep rows `keep` (in place) and trim padding columns no remaining row needs; the new mask."""
+    """Keep rows `keep` (in place) and trim padding columns no remaining row needs; the new mask.
+    A GrowingLayer keeps its buffer (`keep_rows`) when `keep` is ascending, as the engine's is."""
     index = torch.tensor(keep)
     mask = mask.index_select(0, index)
     start = int((mask.cumsum(-1) == 0).sum(-1).min())  # leading all-padding columns
+    ascending = all(a < b for a, b in zip(keep, keep[1:], strict=False))
     for layer in cache.layers:
+        if ascending and isinstance(layer, GrowingLayer) and layer.owns():
+            layer.keep_rows(keep, start)
+            continue
         layer.keys = layer.keys.index_select(0, index)[:, :, start:]
         layer.values = layer.values.index_select(0, index)[:, :, start:]
     return mask[:, start:]

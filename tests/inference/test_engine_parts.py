@@ -147,8 +147,9 @@ def test_app_turns_hermes_output_into_tool_calls(tiny_tokenizer: Any, stream: bo
 
 def test_growing_cache_decodes_like_dynamic_cache_without_copying_per_token(tiny_model_dir: Any) -> None:
     """The engine's cache (kvbatch.GrowingLayer) gives the logits DynamicLayer gives, through a
-    prefill, decode steps, a batch change from outside (kvbatch.select: one row leaves) and more
-    steps; between two changes of the batch every step writes into the same buffer."""
+    prefill, decode steps, changes of the batch (kvbatch.select: a middle row leaves, in the same
+    buffer; kvbatch.splice: a longer row joins; the first row leaves) and more steps; between two
+    changes every step writes into the same buffer. DynamicCache takes kvbatch's copying path."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from rlproxy.inference import kvbatch
@@ -156,6 +157,7 @@ def test_growing_cache_decodes_like_dynamic_cache_without_copying_per_token(tiny
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, 200, (3, 9), generator=g)
+    joiner = torch.randint(10, 200, (1, 30), generator=g)
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, :4] = 0  # a left-padded row
     caches = {"dynamic": DynamicCache(), "growing": kvbatch.new_cache()}
@@ -174,6 +176,24 @@ def test_growing_cache_decodes_like_dynamic_cache_without_copying_per_token(tiny
                 if step == 7:
                     m = kvbatch.select(cache, m, [0, 2])
                     tok = tok[[0, 2]]
+                    if name == "growing":  # the leaving row's place is taken in the same buffer
+                        assert cache.layers[0].keys.untyped_storage().data_ptr() == buffers[-1]
+                if step == 11:  # a longer row joins: both sides left-padded into one buffer
+                    jm = torch.ones(1, 30, dtype=torch.long)
+                    jcache = kvbatch.new_cache() if name == "growing" else DynamicCache()
+                    jout = model(
+                        input_ids=joiner,
+                        attention_mask=jm,
+                        position_ids=(jm.cumsum(-1) - 1),
+                        past_key_values=jcache,
+                        use_cache=True,
+                    )
+                    logits[name].append(jout.logits[:, -1])
+                    m = kvbatch.splice(cache, m, jcache, jm)
+                    tok = torch.cat([tok, jout.logits[:, -1].argmax(-1, keepdim=True)])
+                if step == 40:  # the first row leaves: every later row moves up
+                    m = kvbatch.select(cache, m, [1, 2])
+                    tok = tok[[1, 2]]
                 m = torch.cat([m, torch.ones(m.shape[0], 1, dtype=m.dtype)], dim=1)
                 pos = m.sum(-1, keepdim=True) - 1
                 out = model(
@@ -186,5 +206,5 @@ def test_growing_cache_decodes_like_dynamic_cache_without_copying_per_token(tiny
     assert all(isinstance(layer, kvbatch.GrowingLayer) for layer in caches["growing"].layers)
     for a, b in zip(logits["dynamic"], logits["growing"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    # one buffer per change: the prefill's, the select's, then one more each time the room runs out
+    # the prefill's buffer, the splice's, then one more each time the room runs out
     assert 2 <= len(set(buffers)) <= 5, len(set(buffers))
