@@ -7,7 +7,8 @@ log-probabilities by ~1e-2, the noise floor of every importance ratio). The refe
 KL term is the same weights with the adapter switched off, so it costs no memory, only a forward.
 
 train_step runs `row_logprobs`: the decoder body on merged rows, then the LM head only at the
-positions that predict trained tokens, in checkpointed chunks (no (B, T, V) logits). The per-call
+positions that predict trained tokens, in chunks whose probabilities backward reuses within a byte
+budget (no (B, T, V) logits). The per-call
 `completion_logits` / `token_logprobs` (B, C, V) remain for the benches and the tests' per-call
 oracle; SFT (sft.py) runs `row_logprobs` too.
 This file is over 300 lines because it holds both forms of the one policy's forward.
@@ -339,55 +340,108 @@ def row_hidden_states(model: Any, rows: Rows, prefix: StepPrefix | None = None) 
     return decoder(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
 
 
-def _chunk_stats(z: Tensor, targets: Tensor, inv_temp: Tensor | None) -> tuple[Tensor, ...]:
+def _chunk_stats(
+    z: Tensor, targets: Tensor, inv_temp: Tensor | None, probs: bool = False
+) -> tuple[Tensor, ...]:
     """(logp at T, raw logp at T = 1, entropy at T, target is argmax, logsumexp at T), each (n,), of
-    n positions' fp32 logits z (n, V). z is overwritten: it ends as the tempered log-probabilities."""
-    y = targets.unsqueeze(-1)
-    lse = torch.logsumexp(z, dim=-1)  # at T = 1
-    raw = z.gather(-1, y).squeeze(-1) - lse
-    top = z.argmax(-1) == targets  # SFT's token accuracy
-    if inv_temp is not None:  # tempered: a second logsumexp; at T = 1 the first is the one
-        lse = torch.logsumexp(z.mul_(inv_temp.unsqueeze(-1)), dim=-1)
-    logp = z.sub_(lse.unsqueeze(-1)).gather(-1, y).squeeze(-1)
-    entropy = -z.exp().mul_(z).nansum(-1)  # p log p; at a -inf logit 0 x -inf is NaN, which nansum drops
+    n positions' fp32 logits z (n, V). z is overwritten: it ends as the tempered log-probabilities,
+    or with `probs` as the tempered probabilities (what the head's backward needs).
+
+    A few rows at a time (_block_rows), so that the half-dozen passes over each row run in cache
+    rather than over the whole (n, V) chunk in memory (at n = 512: 0.9 -> 0.5 s for the head's
+    forward and backward, fewer passes over DRAM)."""
+    parts = []
+    for rows in _row_blocks(z.shape[0], z.shape[-1]):
+        zb, yb = z[rows], targets[rows].unsqueeze(-1)
+        lse = torch.logsumexp(zb, dim=-1)  # at T = 1
+        raw = zb.gather(-1, yb).squeeze(-1) - lse
+        top = zb.argmax(-1) == yb.squeeze(-1)  # SFT's token accuracy
+        if inv_temp is not None:  # tempered: a second logsumexp; at T = 1 the first is the one
+            lse = torch.logsumexp(zb.mul_(inv_temp[rows].unsqueeze(-1)), dim=-1)
+        logp = zb.sub_(lse.unsqueeze(-1)).gather(-1, yb).squeeze(-1)
+        p = zb.exp()
+        entropy = -p.mul(zb).nansum(-1)  # p log p; at a -inf logit 0 x -inf is NaN, which nansum drops
+        if probs:
+            zb.copy_(p)
+        parts.append((logp, raw, entropy, top, lse))
+    logp, raw, entropy, top, lse = (torch.cat(x) for x in zip(*parts, strict=True))
     return logp, raw, entropy, top, lse
+
+
+BLOCK_BYTES = 2 * 2**20  # rows of (n, V) fp32 per in-cache pass of _chunk_stats: ~10 rows at V = 49k
+
+
+def _row_blocks(n: int, vocab: int) -> list[slice]:
+    step = max(1, BLOCK_BYTES // (4 * vocab))
+    return [slice(r, r + step) for r in range(0, n, step)]
+
+
+HEAD_KEEP_BYTES = 256 * 2**20  # per row_logprobs call: the tempered probabilities kept for backward
+
+
+def _frozen_linear(head: Any) -> bool:
+    """True for a plain frozen linear head: its backward into h is dz @ weight, nothing to recompute."""
+    weight = getattr(head, "weight", None)
+    return (
+        isinstance(head, torch.nn.Linear)
+        and isinstance(weight, Tensor)
+        and not any(p.requires_grad for p in head.parameters())
+    )
 
 
 class _HeadLogprobs(torch.autograd.Function):
     """The LM head and the log-softmax of n positions (n, H) -> (logp, raw, entropy, top), each (n,).
 
-    Only logp has a gradient. The (n, V) logits live only inside forward and, recomputed, inside
-    backward (activation checkpointing of the head by hand): forward keeps h and the logsumexp (n,),
-    backward rebuilds the softmax from them in place, d logp / d z = (onehot(y) - p) / T, and sends
-    that through the head once; each (n, V) pass runs once instead of once per autograd node.
+    Only logp has a gradient, d logp / d z = (onehot(y) - p) / T, sent through the head once. The (n, V)
+    logits are never kept as an autograd graph. With `keep` (a frozen linear head, within
+    HEAD_KEEP_BYTES) forward keeps the tempered probabilities p and backward turns them into dz in
+    place and multiplies by the weight: the head's matmul runs twice per step, not three times. Else
+    (a trained head, or past the budget) forward keeps only h and the logsumexp (n,) and backward
+    recomputes the logits and rebuilds p from them (activation checkpointing of the head by hand).
     """
 
     @staticmethod
     def forward(
-        ctx: Any, h: Tensor, targets: Tensor, inv_temp: Tensor | None, head: Any
+        ctx: Any, h: Tensor, targets: Tensor, inv_temp: Tensor | None, head: Any, keep: bool = False
     ) -> tuple[Tensor, ...]:
         with torch.no_grad():
-            logp, raw, entropy, top, lse = _chunk_stats(head(h).float(), targets, inv_temp)
-        ctx.head = head
-        ctx.save_for_backward(h, targets, inv_temp, lse)
+            z = head(h).float()
+            logp, raw, entropy, top, lse = _chunk_stats(z, targets, inv_temp, probs=keep)
+        ctx.head, ctx.keep, ctx.h_dtype = head, keep, h.dtype
+        ctx.save_for_backward(z if keep else h, targets, inv_temp, lse)
         ctx.mark_non_differentiable(raw, entropy, top)
         return logp, raw, entropy, top
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor, *_: Tensor) -> tuple[Tensor | None, None, None, None]:
-        h, targets, inv_temp, lse = ctx.saved_tensors
+    def backward(ctx: Any, g: Tensor, *_: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        saved, targets, inv_temp, lse = ctx.saved_tensors
+        scale = g if inv_temp is None else g * inv_temp  # (n,): d logp / d z = scale x (onehot - p)
+        if ctx.keep:  # saved: p itself, (n, V) fp32
+            with torch.no_grad():
+                dz = _softmax_grad_(saved, targets, scale)
+                weight = ctx.head.weight
+                return (dz.to(weight.dtype) @ weight).to(ctx.h_dtype), None, None, None, None
         with torch.enable_grad():
-            leaf = h.detach().requires_grad_(h.requires_grad)
+            leaf = saved.detach().requires_grad_(saved.requires_grad)
             z = ctx.head(leaf)
         with torch.no_grad():
-            scale = g if inv_temp is None else g * inv_temp  # (n,): d logp / d z = scale x (onehot - p)
             dz = z.detach().float()  # in place on the logits: the head's own backward never reads them
-            if inv_temp is not None:
-                dz.mul_(inv_temp.unsqueeze(-1))
-            dz.sub_(lse.unsqueeze(-1)).exp_().mul_(-scale.unsqueeze(-1))
-            dz.scatter_add_(-1, targets.unsqueeze(-1), scale.unsqueeze(-1))
+            for rows in _row_blocks(dz.shape[0], dz.shape[-1]):  # p from the logits, block by block
+                zb = dz[rows]
+                if inv_temp is not None:
+                    zb.mul_(inv_temp[rows].unsqueeze(-1))
+                zb.sub_(lse[rows].unsqueeze(-1)).exp_()
+            dz = _softmax_grad_(dz, targets, scale)
         torch.autograd.backward(z, dz.to(z.dtype))  # the head's backward: into h, and its weights if trained
-        return leaf.grad, None, None, None
+        return leaf.grad, None, None, None, None
+
+
+def _softmax_grad_(p: Tensor, targets: Tensor, scale: Tensor) -> Tensor:
+    """d loss / d z = scale x (onehot(y) - p), written over p (n, V) block by block."""
+    for rows in _row_blocks(p.shape[0], p.shape[-1]):
+        s = scale[rows].unsqueeze(-1)
+        p[rows].mul_(-s).scatter_add_(-1, targets[rows].unsqueeze(-1), s)
+    return p
 
 
 def row_logprobs(
@@ -398,8 +452,10 @@ def row_logprobs(
     logp is log_softmax(z / T)[y] with gradient, T its call's temperature; raw the same at T = 1,
     entropy the tempered distribution's and top whether y is the argmax (all three without gradient).
     The hidden states that predict trained tokens are gathered (N, H) and the LM head + log-softmax
-    run `chunk` positions at a time (_HeadLogprobs): backward recomputes each chunk's logits instead
-    of keeping them. `prefix`: see row_hidden_states.
+    run `chunk` positions at a time (_HeadLogprobs): a frozen head's chunks keep their probabilities
+    for backward, up to HEAD_KEEP_BYTES per call (N x V fp32: 100 MB at N = 512, V = 49k); past that,
+    or with a trained head, backward recomputes a chunk's logits instead. `prefix`: see
+    row_hidden_states.
     """
     _, head = _body_and_head(model)
     h = row_hidden_states(model, rows, prefix)  # (B, T, H)
@@ -410,11 +466,15 @@ def row_logprobs(
     temp = rows.temperature
     inv = None if temp is None else 1.0 / temp.to(device)
     parts = []
+    frozen, kept = _frozen_linear(head), 0
     for c0 in range(0, len(targets), chunk):
         h, y = picked[c0 : c0 + chunk], targets[c0 : c0 + chunk]
         t = None if inv is None else inv[c0 : c0 + chunk]
         if torch.is_grad_enabled() and picked.requires_grad:
-            parts.append(_HeadLogprobs.apply(h, y, t, head))
+            size = 4 * len(y) * head.weight.shape[0]  # its probabilities, (n, V) fp32
+            keep = frozen and kept + size <= HEAD_KEEP_BYTES
+            kept += size if keep else 0
+            parts.append(_HeadLogprobs.apply(h, y, t, head, keep))
         else:
             with torch.no_grad():
                 parts.append(_chunk_stats(head(h).float(), y, t)[:4])

@@ -54,3 +54,32 @@ def test_stats_without_gradient_are_the_same_numbers() -> None:
     want = reference(head, h, y, inv)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b) if a.dtype == torch.bool else torch.allclose(a, b.detach(), atol=1e-6)
+
+
+def test_a_frozen_head_keeps_its_probabilities_and_runs_once() -> None:
+    """keep: backward turns the saved probabilities into dz (no second head matmul); same numbers."""
+    torch.manual_seed(3)
+    n, H, V = 12, 16, 50
+    head = torch.nn.Linear(H, V).requires_grad_(False)  # the trainer's head: frozen
+    with torch.no_grad():
+        head.bias[7] = -torch.inf
+    y = torch.randint(0, V, (n,))
+    y[y == 7] = 8
+    g = torch.randn(n)
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+    for inv in (None, 1 / torch.tensor([0.7, 1.0, 1.3] * 4)):
+        results = {}
+        for keep in (True, False, None):  # None: plain autograd, the oracle
+            calls.clear()
+            h = torch.randn(n, H, generator=torch.Generator().manual_seed(4)).requires_grad_()
+            out = reference(head, h, y, inv) if keep is None else _HeadLogprobs.apply(h, y, inv, head, keep)
+            (out[0] * g).sum().backward()
+            assert len(calls) == (2 if keep is False else 1)  # kept: the logits are made once
+            results[keep] = (out[0].detach(), out[1].detach(), out[2].detach(), out[3], h.grad)
+        for keep in (True, False):
+            for a, b in zip(results[keep], results[None], strict=True):
+                if a.dtype == torch.bool:
+                    assert torch.equal(a, b)
+                else:
+                    assert torch.isfinite(a).all() and torch.allclose(a, b, atol=1e-5, rtol=1e-5)

@@ -202,6 +202,38 @@ def test_shared_prefix_runs_once_same_values_and_gradients(policy) -> None:
     assert max(float((a - b).abs().max()) for a, b in zip(g1, g2, strict=True)) <= 1e-5 * scale
 
 
+def test_head_probabilities_kept_within_their_budget_same_gradients(policy, monkeypatch) -> None:
+    """Chunks past HEAD_KEEP_BYTES recompute their logits in backward: same values and gradients."""
+    from rlproxy.trainer import model as model_module
+
+    model, tok = policy
+    runs = episodes(model, tok)
+    segs, _ = build_segments(runs, {"a": 1.0, "b": -1.0, "c": 0.5}, tok, 4096)
+    assign_weights(segs, "grpo", "run", max_seq_len=4096)
+    rows = collate_rows(segs, tok.pad_token_id)
+    head = model.get_base_model().get_output_embeddings()
+    chunk, vocab = 4, head.weight.shape[0]
+    assert rows.num_tokens > 3 * chunk
+    calls = []
+    hook = head.register_forward_hook(lambda *_: calls.append(1))
+    results = []
+    for kept_chunks in (10**6, 2, 0):  # all kept, the first two, none
+        monkeypatch.setattr(model_module, "HEAD_KEEP_BYTES", kept_chunks * 4 * chunk * vocab)
+        calls.clear()
+        logp, _, ent, _ = row_logprobs(model, rows, chunk=chunk)
+        (logp * rows.advantages).sum().backward()
+        n_chunks = -(-rows.num_tokens // chunk)
+        assert len(calls) == n_chunks + max(n_chunks - kept_chunks, 0)  # a recomputed chunk runs twice
+        results.append((logp.detach(), ent, [p.grad.clone() for p in lora(model)]))
+        for p in lora(model):
+            p.grad = None
+    hook.remove()
+    (l1, e1, g1) = results[0]
+    for l2, e2, g2 in results[1:]:
+        assert torch.equal(l1, l2) and torch.equal(e1, e2)
+        assert max(float((a - b).abs().max()) for a, b in zip(g1, g2, strict=True)) <= 1e-6
+
+
 class SavedBytes:
     """Bytes of the tensors autograd keeps for backward, live at once (parameters excluded): the
     activation memory of a step, which is what grows with the tokens of a micro-batch. Transient
