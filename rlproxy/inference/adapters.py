@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from rlproxy.errors import AdapterError
+from rlproxy.inference.lora_fused import fuse_lora
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,7 @@ class AdapterSlots:
                 raise ValueError(f"weights for modules the base model lacks: {unexpected[:3]}")
             if self.peft.active_adapter not in self.peft.peft_config:
                 self.peft.set_adapter(slot_id)  # the previously active slot was deleted
+        fuse_lora(self.peft)  # new LoRA layers too, if this adapter targets more modules
 
     def _delete_slot(self, slot_id: str) -> None:
         self._slots.pop(slot_id, None)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from rlproxy.errors import ModelError
+from rlproxy.inference.lora_fused import fuse_lora
 from rlproxy.trainer.batches import Batch
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.losses import sampled_logprobs
@@ -77,6 +78,7 @@ def load_policy(
         model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     else:
         model = get_peft_model(base, _lora_config(base, config))
+    fuse_lora(model)  # the LoRA product accumulates into the base layer's output (lora_fused.py)
     model.train()
     return model, tokenizer
 
