@@ -73,12 +73,13 @@ async def test_mean_reward_rises(
     svc = TrainerService(config, db_url, backend)
     client = AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused")
     means: list[float] = []
-    step = steps = 0
+    step = steps = varied = 0  # varied: groups whose rewards differ (a group of equal rewards is no signal)
     try:
         for rnd in range(ROUNDS):
             model = "tiny" if step == 0 else f"tiny@{step}"
             rs = []
             for g, prompt in enumerate(PROMPTS):
+                group = []
                 resp = await client.chat.completions.create(
                     model=model,
                     messages=[{"role": "user", "content": prompt}],
@@ -93,6 +94,7 @@ async def test_mean_reward_rises(
                 for i, ch in enumerate(body["choices"]):
                     r = reward(ch["token_ids"], favored, eos)
                     rs.append(r)
+                    group.append(r)
                     comp = {
                         "prompt_token_ids": body["prompt_token_ids"],
                         "token_ids": [ch["token_ids"]],
@@ -103,6 +105,7 @@ async def test_mean_reward_rises(
                     await add_run(
                         engine, f"r{rnd}-{g}-{i}", group_id=f"r{rnd}-{g}", reward=r, completions=[comp]
                     )
+                varied += len(set(group)) > 1
             means.append(sum(rs) / len(rs))
             m = await svc.step_once()
             if m is None:  # a group with equal rewards was skipped: the other waits for a partner
@@ -116,7 +119,10 @@ async def test_mean_reward_rises(
         await backend.stop()
     first, last = sum(means[:3]) / 3, sum(means[-3:]) / 3
     print(f"mean reward per step: {[round(x, 3) for x in means]} first-3 {first:.3f} last-3 {last:.3f}")
+    print(f"steps {steps}, groups with a reward spread {varied}")
     assert last > first + MARGIN, means
     async with engine.connect() as conn:
         n_steps = (await conn.execute(text("SELECT count(*) FROM training_steps"))).scalar()
-    assert n_steps == steps >= ROUNDS - 2
+    # every GROUPS groups with a reward spread make a step (a saturated group is skipped, its partner
+    # waits for the next round's); at most one pair may still be waiting or age out at the end
+    assert n_steps == steps >= varied // GROUPS - 1 >= ROUNDS // 2, (steps, varied)
