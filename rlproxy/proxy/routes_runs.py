@@ -248,9 +248,14 @@ async def run_stats(request: Request) -> Response:
 
 @router.get("/v1/runs/{run_id}")
 async def get_run(request: Request, run_id: str) -> Response:
-    """One run with its completions in order and its messages."""
+    """One run with its completions in order and its messages; a 404 only once the writer has
+    committed what it holds (a run whose first call was just answered may still be queued)."""
     runkey.check_id(run_id)
-    run = await queries.get_run(request.app.state.proxy.engine, run_id)
+    px = request.app.state.proxy
+    run = await queries.get_run(px.engine, run_id)
+    if run is None:  # read your writes: its completions may still be queued
+        await px.writer.flush()
+        run = await queries.get_run(px.engine, run_id)
     if run is None:
         raise APIError(404, f"run {run_id!r} not found", code="not_found")
     return _json(run)

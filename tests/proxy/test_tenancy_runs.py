@@ -309,3 +309,17 @@ def test_a_reward_committed_before_its_route_hears_of_it_is_not_a_late_run(make_
 
     # r-other was closed elsewhere: late; r-race is this replica's own reward: closed, not late
     assert asyncio.run(scenario()) == [(1, False, True), 1, True, {}]
+
+
+@pytest.mark.parametrize("writer_process", [True, False])
+def test_a_run_reads_back_at_once_while_its_rows_are_still_queued(make_proxy, stub, writer_process: bool):
+    """GET /v1/runs/{id} right after its first answer: the writer (batching for 5 s) commits first."""
+    proxy = make_proxy(stub.url, flush_interval=5.0, writer_process=writer_process)
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused")
+    client.chat.completions.create(model="stub-model", messages=MSG, extra_headers={"X-Run-Id": "fresh"})
+    t0 = time.monotonic()
+    got = httpx.get(f"{proxy.url}/v1/runs/fresh", timeout=30)
+    assert got.status_code == 200 and time.monotonic() - t0 < 4.0, got.text
+    assert len(got.json()["completions"]) == 1
+    missing = httpx.get(f"{proxy.url}/v1/runs/never-seen", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
