@@ -253,7 +253,7 @@ async def get_run(request: Request, run_id: str) -> Response:
     runkey.check_id(run_id)
     px = request.app.state.proxy
     run = await queries.get_run(px.engine, run_id)
-    if run is None:  # read your writes: its completions may still be queued
+    if run is None and px.writer is not None:  # read your writes: its completions may still be queued
         await px.writer.flush()
         run = await queries.get_run(px.engine, run_id)
     if run is None:
