@@ -7,21 +7,18 @@ lets the second product accumulate into the base layer's output (`addmm_`, alpha
 values and gradients (tests/inference/test_lora_fused.py), two fewer passes over the output forward
 and one fewer backward. Used by the trainer's policy and the engine's served adapters.
 
-Only the plain case is fused: one active adapter, not merged, no dropout, no LoRA variant (DoRA...),
-no bias on B, one dtype, no per-request `adapter_names` (the engine's mixed batches). Anything else,
-decided at each call, runs peft's own forward, so `disable_adapter()` and `set_adapter` behave as in
-peft.
+Only the plain case is fused: one active adapter, not merged, dropout off (p = 0 or eval), no LoRA
+variant (DoRA...), no bias on B, one dtype, no per-request `adapter_names` (the engine's mixed
+batches). Anything else, decided at each call, runs peft's own forward, so `disable_adapter()` and
+`set_adapter` behave as in peft.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import Tensor
-
-log = logging.getLogger(__name__)
 
 
 def fuse_lora(model: torch.nn.Module) -> int:
