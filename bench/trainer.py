@@ -10,7 +10,8 @@ micro_batch_tokens), and merged with per_call weights (its gradient norm must eq
 `--old-tree` also runs the old path with rlproxy imported from that checkout (the code before
 merged segments). The rest of this note is about the single-call shape.
 
-Method. Both sides train SmolLM2-135M-Instruct (fp32, CPU unless CUDA is there) with LoRA r=8,
+Method. Both sides train SmolLM2-135M-Instruct (fp32, CPU unless CUDA is there; `--precision bf16`:
+bf16 autocast on both, ours `train_autocast=bf16`, TRL `bf16=True`) with LoRA r=8,
 alpha=16 on q,k,v,o,gate,up,down, on one batch of 8 sequences x 128 tokens (64 prompt + 64
 completion tokens, the same random token ids, 2 groups of 4 with the same rewards), loss `grpo`,
 beta 0 (no reference pass), epsilon 0.2, AdamW lr 1e-5, grad-norm clip 1.0, one micro-batch, no
@@ -75,7 +76,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def worker_ours(model_dir: str, steps: int) -> dict:
+def worker_ours(model_dir: str, steps: int, precision: str = "fp32") -> dict:
     import torch
 
     from rlproxy.storage.training import CompletionData, RunData
@@ -91,6 +92,7 @@ def worker_ours(model_dir: str, steps: int) -> dict:
         learning_rate=1e-5,
         micro_batch_size=B,
         loss="grpo",
+        train_autocast="bf16" if precision == "bf16" else "off",
     )
     model, tok = load_policy(model_dir, cfg)
     opt = make_optimizer(model, cfg)
@@ -121,7 +123,7 @@ def worker_ours(model_dir: str, steps: int) -> dict:
     return {"times": times, "cpu": cpu}
 
 
-def worker_trl(model_dir: str, steps: int, checkpointing: bool = False) -> dict:
+def worker_trl(model_dir: str, steps: int, checkpointing: bool = False, precision: str = "fp32") -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -171,7 +173,7 @@ def worker_trl(model_dir: str, steps: int, checkpointing: bool = False) -> dict:
         max_steps=steps + 1,
         gradient_checkpointing=checkpointing,
         use_cpu=use_cpu,
-        bf16=not use_cpu,
+        bf16=not use_cpu or precision == "bf16",  # on CPU: accelerate's bf16 autocast, as ours
         logging_steps=10_000,
         save_strategy="no",
         report_to="none",
@@ -339,6 +341,13 @@ def main() -> None:
         "--old-tree",
         help="directory: also time the old path with rlproxy imported from this checkout (e.g. main's)",
     )
+    ap.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="single shape on CPU: fp32 on both sides, or bf16 autocast on both "
+        "(ours train_autocast=bf16, TRL bf16=True)",
+    )
     ap.add_argument("--micro-batch-tokens", type=int, default=1024, help="directory: the new path's budget")
     ap.add_argument(
         "--worker",
@@ -350,6 +359,7 @@ def main() -> None:
             "swap-vllm",
             "dir-old",
             "dir-new",
+            "dir-new-fp32",
             "dir-merged-per-call",
         ],
         help=argparse.SUPPRESS,
@@ -365,13 +375,14 @@ def main() -> None:
         torch.set_num_threads(a.threads)
         torch.manual_seed(0)
         work = {
-            "ours": worker_ours,
-            "trl": worker_trl,
-            "trl-default": lambda d, n: worker_trl(d, n, checkpointing=True),
+            "ours": lambda d, n: worker_ours(d, n, a.precision),
+            "trl": lambda d, n: worker_trl(d, n, precision=a.precision),
+            "trl-default": lambda d, n: worker_trl(d, n, checkpointing=True, precision=a.precision),
             "swap": worker_swap,
             "swap-vllm": lambda d, n: worker_swap_vllm(d, n, a.vllm_python),
             "dir-old": lambda d, n: trainer_directory.worker(d, n, "old", None),
             "dir-new": lambda d, n: trainer_directory.worker(d, n, "new", a.micro_batch_tokens),
+            "dir-new-fp32": lambda d, n: trainer_directory.worker(d, n, "new-fp32", a.micro_batch_tokens),
             "dir-merged-per-call": lambda d, n: trainer_directory.worker(d, n, "merged-per-call", None),
         }[a.worker]
         out = work(a.model_dir, steps)
@@ -387,7 +398,10 @@ def main() -> None:
         return
     if not a.swap_only:
         print(__doc__.split("\n\n", 2)[2].strip())
-        print(f"\nmodel {a.model} ({model_dir}), {a.threads} torch threads, {steps} timed steps per side\n")
+        print(
+            f"\nmodel {a.model} ({model_dir}), {a.threads} torch threads, {steps} timed steps per side, "
+            f"{a.precision}\n"
+        )
         step_figures(a, model_dir, steps)
     if a.no_swap:
         return
@@ -403,7 +417,7 @@ def step_figures(a: argparse.Namespace, model_dir: str, steps: int) -> None:
     res: dict[str, list[dict]] = {k: [] for k in kinds}
     for _ in range(a.rounds):  # interleaved, so a busy machine slows both sides alike
         for kind in kinds:
-            res[kind].append(run_worker(kind, model_dir, steps, a.threads))
+            res[kind].append(run_worker(kind, model_dir, steps, a.threads, "--precision", a.precision))
     summary = {}
     for kind, runs in res.items():
         times = [t for r in runs for t in r["times"]]
@@ -442,6 +456,7 @@ def directory_figures(a: argparse.Namespace, model_dir: str, steps: int) -> None
     kinds = [
         ("old", "dir-old", None),
         ("new", "dir-new", None),
+        ("new, fp32", "dir-new-fp32", None),
         ("merged per_call", "dir-merged-per-call", None),
     ]
     if a.old_tree:  # last: the literal old code is the slowest side
@@ -473,11 +488,11 @@ def _directory_line(name: str, runs: list[dict], med: dict[str, tuple[float, flo
             f"{r['merge/positions_merged']:.0f} vs unmerged {r['merge/positions_unmerged']:.0f} "
             f"positions, {r['merge/segments']:.0f} segments, {r['merge/breaks']:.0f} breaks"
         )
-    if name == "new" and "old" in med:
-        o, n = med["old"], med["new"]
+    if name in ("new", "new, fp32") and "old" in med:
+        o, n = med["old"], med[name]
         print(
-            f"\nnew / old: {o[0] / n[0]:.2f}x faster (median wall), {o[1] / n[1]:.2f}x per CPU-second "
-            f"(goal >= 2.5x); peak RSS new {n[2]:.0f} MB (goal <= 4096)\n"
+            f"\n{name} / old: {o[0] / n[0]:.2f}x faster (median wall), {o[1] / n[1]:.2f}x per CPU-second "
+            f"(goal >= 2.5x); peak RSS {n[2]:.0f} MB (goal <= 4096)\n"
         )
     sys.stdout.flush()
 

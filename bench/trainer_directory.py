@@ -94,7 +94,8 @@ REWARDS = [1.0, 0.45, 0.8, 0.2, 0.1, 1.0, 0.55, 0.3]
 
 
 def worker(model_dir: str, steps: int, path: str, micro_batch_tokens: int | None) -> dict:
-    """Time train_step on the directory group: `path` old (per_call, no merge, micro_batch_size 8) or new."""
+    """Time train_step on the directory group: `path` old (per_call, no merge, micro_batch_size 8, fp32),
+    new (the defaults: merged, run weighting, autocast auto), new-fp32 (autocast off) or merged-per-call."""
     import time
 
     import torch
@@ -105,7 +106,11 @@ def worker(model_dir: str, steps: int, path: str, micro_batch_tokens: int | None
     from rlproxy.trainer.model import load_policy, token_logprobs
     from rlproxy.trainer.step import make_optimizer, train_step
 
-    new = path == "new"
+    new = path in ("new", "new-fp32")
+    # the old path and its merged oracle in fp32, as the code before merging ran; new-fp32: merging alone
+    precision = {"train_autocast": "auto" if path == "new" else "off"}
+    if "train_autocast" not in TrainerConfig.model_fields:  # --old-tree: code from before the setting
+        precision = {}
     cfg = TrainerConfig(
         learning_rate=1e-5,
         micro_batch_size=8,
@@ -114,6 +119,7 @@ def worker(model_dir: str, steps: int, path: str, micro_batch_tokens: int | None
         loss_weighting="run" if new else "per_call",  # merged per_call: the old gradient, merged
         micro_batch_tokens=micro_batch_tokens,
         max_grad_norm=1e9,  # the norm is read before the clip; nothing is cut, so both sides compare
+        **precision,
     )
     model, tok = load_policy(model_dir, cfg)
     opt = make_optimizer(model, cfg)

@@ -443,6 +443,12 @@ class TrainerSettings(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in backward: less memory, slower (prompts not shared)"
     )
+    train_autocast: Literal["auto", "bf16", "off"] = Field(
+        "auto",
+        description="CPU: the decoder body's matmuls in bf16 (torch.autocast; the LoRA weights, optimizer, "
+        "LM head and log-softmax stay fp32); auto = when the CPU has native bf16 (AVX512-BF16 or AMX), "
+        "off = fp32 throughout. CUDA trains bf16 weights either way",
+    )
     share_base_weights: bool = Field(
         True,
         description="a trainer in the embedded engine's process puts its LoRA on the engine's own base "

@@ -8,9 +8,9 @@ values and gradients (tests/inference/test_lora_fused.py), two fewer passes over
 and one fewer backward. Used by the trainer's policy and the engine's served adapters.
 
 Only the plain case is fused: one active adapter, not merged, dropout off (p = 0 or eval), no LoRA
-variant (DoRA...), no bias on B, one dtype, no per-request `adapter_names` (the engine's mixed
-batches). Anything else, decided at each call, runs peft's own forward, so `disable_adapter()` and
-`set_adapter` behave as in peft.
+variant (DoRA...), no bias on B, one dtype (or autocast: the trainer's bf16 body on CPU), no
+per-request `adapter_names` (the engine's mixed batches). Anything else, decided at each call, runs
+peft's own forward, so `disable_adapter()` and `set_adapter` behave as in peft.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def _plain(m: Any, x: Tensor) -> str | None:
     weight = getattr(m.base_layer, "weight", None)
     if b.bias is not None or not isinstance(weight, Tensor):
         return None
-    return name if x.dtype == weight.dtype == m.lora_A[name].weight.dtype == b.weight.dtype else None
+    if not weight.dtype == m.lora_A[name].weight.dtype == b.weight.dtype:
+        return None
+    # under autocast the matmuls cast their inputs (the product added in place is cast by hand)
+    return name if x.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type) else None
 
 
 def _fused_forward(self: Any, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -59,5 +62,6 @@ def _fused_forward(self: Any, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     y = self.base_layer(x2)  # (tokens, out): a fresh tensor, nothing saves it for backward
     xa = torch.nn.functional.linear(x2, self.lora_A[name].weight)  # (tokens, r)
-    y.addmm_(xa, self.lora_B[name].weight.t(), alpha=self.scaling[name])
+    b = self.lora_B[name].weight
+    y.addmm_(xa.to(y.dtype), b.t().to(y.dtype), alpha=self.scaling[name])  # autocast: y, xa are bf16
     return y.view(*x.shape[:-1], y.shape[-1])
