@@ -60,6 +60,8 @@ def _fused_forward(self: Any, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     if name is None:
         return self._unfused_forward(x, *args, **kwargs)
     x2 = x.reshape(-1, x.shape[-1])
+    if torch.is_autocast_enabled(x.device.type):  # cast once for both products (each would make a copy)
+        x2 = x2.to(torch.get_autocast_dtype(x.device.type))
     y = self.base_layer(x2)  # (tokens, out): a fresh tensor, nothing saves it for backward
     xa = torch.nn.functional.linear(x2, self.lora_A[name].weight)  # (tokens, r)
     b = self.lora_B[name].weight
