@@ -22,10 +22,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RLPROXY_TRAIN_AUTOCAST", "off")
 
 
-@pytest.fixture(autouse=True)
-def _fp32_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`auto` finds no native bf16 in-process either (TrainerConfig built directly reads no variable)."""
-    monkeypatch.setattr("rlproxy.trainer.model.native_bf16", lambda: False)
+@pytest.fixture(autouse=True, scope="session")
+def _fp32_trainer() -> Iterator[None]:
+    """`auto` finds no native bf16 in-process either (TrainerConfig built directly reads no variable);
+    session-wide, so that module- and session-scoped policies are fp32 too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("rlproxy.trainer.model.native_bf16", lambda: False)
+        yield
 
 
 @pytest.fixture(scope="session")

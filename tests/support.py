@@ -107,3 +107,17 @@ class ServerlessBackend:
     async def unload_adapter(self, name: str) -> None: ...
 
     async def load_adapters_into(self, url: str, adapters: dict[str, str] | None = None) -> None: ...
+
+
+class Capture:
+    """An optimizer that only records the gradient it was asked to apply (trainer tests)."""
+
+    def __init__(self, params: list[Any]) -> None:
+        self.params, self.grads, self.state = params, None, {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        self.grads = [p.grad.detach().clone() for p in self.params]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import Capture
 
 from rlproxy.storage.training import CompletionData, RunData
 from rlproxy.trainer import losses
@@ -21,20 +22,6 @@ from rlproxy.trainer.model import completion_logits, load_policy, row_logprobs, 
 from rlproxy.trainer.rows import collate_rows
 from rlproxy.trainer.segments import assign_weights, build_segments
 from rlproxy.trainer.step import train_step
-
-
-class Capture:
-    """An optimizer that only records the gradient it was asked to apply."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params, self.grads, self.state = params, None, {}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def step(self) -> None:
-        self.grads = [p.grad.detach().clone() for p in self.params]
 
 
 def lora(model) -> list[torch.nn.Parameter]:
