@@ -359,7 +359,7 @@ def main() -> None:
             "swap-vllm",
             "dir-old",
             "dir-new",
-            "dir-new-fp32",
+            "dir-new-bf16",
             "dir-merged-per-call",
         ],
         help=argparse.SUPPRESS,
@@ -382,7 +382,7 @@ def main() -> None:
             "swap-vllm": lambda d, n: worker_swap_vllm(d, n, a.vllm_python),
             "dir-old": lambda d, n: trainer_directory.worker(d, n, "old", None),
             "dir-new": lambda d, n: trainer_directory.worker(d, n, "new", a.micro_batch_tokens),
-            "dir-new-fp32": lambda d, n: trainer_directory.worker(d, n, "new-fp32", a.micro_batch_tokens),
+            "dir-new-bf16": lambda d, n: trainer_directory.worker(d, n, "new-bf16", a.micro_batch_tokens),
             "dir-merged-per-call": lambda d, n: trainer_directory.worker(d, n, "merged-per-call", None),
         }[a.worker]
         out = work(a.model_dir, steps)
@@ -456,7 +456,7 @@ def directory_figures(a: argparse.Namespace, model_dir: str, steps: int) -> None
     kinds = [
         ("old", "dir-old", None),
         ("new", "dir-new", None),
-        ("new, fp32", "dir-new-fp32", None),
+        ("new, bf16 body", "dir-new-bf16", None),
         ("merged per_call", "dir-merged-per-call", None),
     ]
     if a.old_tree:  # last: the literal old code is the slowest side
@@ -488,7 +488,7 @@ def _directory_line(name: str, runs: list[dict], med: dict[str, tuple[float, flo
             f"{r['merge/positions_merged']:.0f} vs unmerged {r['merge/positions_unmerged']:.0f} "
             f"positions, {r['merge/segments']:.0f} segments, {r['merge/breaks']:.0f} breaks"
         )
-    if name in ("new", "new, fp32") and "old" in med:
+    if name in ("new", "new, bf16 body") and "old" in med:
         o, n = med["old"], med[name]
         print(
             f"\n{name} / old: {o[0] / n[0]:.2f}x faster (median wall), {o[1] / n[1]:.2f}x per CPU-second "

@@ -95,7 +95,7 @@ REWARDS = [1.0, 0.45, 0.8, 0.2, 0.1, 1.0, 0.55, 0.3]
 
 def worker(model_dir: str, steps: int, path: str, micro_batch_tokens: int | None) -> dict:
     """Time train_step on the directory group: `path` old (per_call, no merge, micro_batch_size 8, fp32),
-    new (the defaults: merged, run weighting, autocast auto), new-fp32 (autocast off) or merged-per-call."""
+    new (the defaults: merged, run weighting, fp32), new-bf16 (train_autocast bf16) or merged-per-call."""
     import time
 
     import torch
@@ -106,9 +106,9 @@ def worker(model_dir: str, steps: int, path: str, micro_batch_tokens: int | None
     from rlproxy.trainer.model import load_policy, token_logprobs
     from rlproxy.trainer.step import make_optimizer, train_step
 
-    new = path in ("new", "new-fp32")
-    # the old path and its merged oracle in fp32, as the code before merging ran; new-fp32: merging alone
-    precision = {"train_autocast": "auto" if path == "new" else "off"}
+    new = path in ("new", "new-bf16")
+    # fp32 but for new-bf16 (train_autocast bf16, opt-in): the old path as the code before merging ran
+    precision = {"train_autocast": "bf16" if path == "new-bf16" else "off"}
     if "train_autocast" not in TrainerConfig.model_fields:  # --old-tree: code from before the setting
         precision = {}
     cfg = TrainerConfig(

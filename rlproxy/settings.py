@@ -443,11 +443,12 @@ class TrainerSettings(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in backward: less memory, slower (prompts not shared)"
     )
-    train_autocast: Literal["auto", "bf16", "off"] = Field(
-        "auto",
+    train_autocast: Literal["off", "auto", "bf16"] = Field(
+        "off",
         description="CPU: the decoder body's matmuls in bf16 (torch.autocast; the LoRA weights, optimizer, "
         "LM head and log-softmax stay fp32); auto = when the CPU has native bf16 (AVX512-BF16 or AMX), "
-        "off = fp32 throughout. CUDA trains bf16 weights either way",
+        "off = fp32 throughout (see docs/training.md for what it measured). CUDA trains bf16 weights "
+        "either way",
     )
     share_base_weights: bool = Field(
         True,

@@ -16,19 +16,6 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The trainer in fp32 on every machine: the suite's exact-gradient and learning figures are fp32's, and
-# a CPU with native bf16 (train_autocast auto) must not change them; tests/trainer/test_autocast.py
-# asks for bf16 by name. The variable reaches the servers and trainers the tests start as processes.
-os.environ.setdefault("RLPROXY_TRAIN_AUTOCAST", "off")
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _fp32_trainer() -> Iterator[None]:
-    """`auto` finds no native bf16 in-process either (TrainerConfig built directly reads no variable);
-    session-wide, so that module- and session-scoped policies are fp32 too."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("rlproxy.trainer.model.native_bf16", lambda: False)
-        yield
 
 
 @pytest.fixture(scope="session")

@@ -56,7 +56,8 @@ def body_autocast(device: torch.device, setting: str) -> torch.dtype | None:
     CPU only: there the weights stay fp32 and bf16 autocast rounds each matmul's inputs (its outputs
     add into the fp32 residual stream): the directory step 1.3-1.5x faster on Zen 4 (bench/trainer.py
     --shape directory), its gradient at cosine 0.9985 to fp32's, kl/lag0 3.6e-4 against the fp32
-    engine. CUDA loads bf16 weights instead.
+    engine; inside `serve` only ~10% per step, so it is off by default (docs/training.md). CUDA loads
+    bf16 weights instead.
     """
     if device.type != "cpu" or setting == "off":
         return None

@@ -1,7 +1,7 @@
 """train_autocast: the decoder body's matmuls in bf16 on CPU, everything the loss reads in fp32.
 
-The rest of the suite runs the trainer in fp32 on every machine (tests/conftest.py); here bf16 is
-asked for by name, so these tests run the same on a CPU with native bf16 and one without (slower).
+Off by default (the suite's trainer is fp32 everywhere); here bf16 is asked for by name, so these
+tests run the same on a CPU with native bf16 and one without (slower).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def group() -> list[RunData]:
 
 
 def test_the_setting_resolves_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert TrainerConfig().train_autocast == "off"  # opt-in: docs/training.md says what it measured
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert body_autocast(cpu, "off") is None
     assert body_autocast(cpu, "bf16") is torch.bfloat16
