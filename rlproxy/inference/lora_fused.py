@@ -34,7 +34,7 @@ def fuse_lora(model: torch.nn.Module) -> int:
     return count
 
 
-def _plain(m: Any, x: Tensor) -> str | None:
+def _plain(m: Any, x: Tensor, autocast: bool) -> str | None:
     """The active adapter's name when this call can be fused, else None."""
     if m.disable_adapters or m.merged or len(m.active_adapters) != 1:
         return None
@@ -52,15 +52,16 @@ def _plain(m: Any, x: Tensor) -> str | None:
     if not weight.dtype == m.lora_A[name].weight.dtype == b.weight.dtype:
         return None
     # under autocast the matmuls cast their inputs (the product added in place is cast by hand)
-    return name if x.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type) else None
+    return name if x.dtype == weight.dtype or autocast else None
 
 
 def _fused_forward(self: Any, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    name = None if args or kwargs else _plain(self, x)
+    autocast = torch.is_autocast_enabled(x.device.type)
+    name = None if args or kwargs else _plain(self, x, autocast)
     if name is None:
         return self._unfused_forward(x, *args, **kwargs)
     x2 = x.reshape(-1, x.shape[-1])
-    if torch.is_autocast_enabled(x.device.type):  # cast once for both products (each would make a copy)
+    if autocast:  # cast once for both products (each would make a copy)
         x2 = x2.to(torch.get_autocast_dtype(x.device.type))
     y = self.base_layer(x2)  # (tokens, out): a fresh tensor, nothing saves it for backward
     xa = torch.nn.functional.linear(x2, self.lora_A[name].weight)  # (tokens, r)
