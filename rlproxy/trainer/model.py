@@ -16,6 +16,7 @@ This file is over 300 lines because it holds both forms of the one policy's forw
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 from contextlib import nullcontext
@@ -270,27 +271,36 @@ def _body_and_head(model: Any) -> tuple[Any, Any]:
 class StepPrefix:
     """A prefix that several micro-batches of a step share (a group's task prompt), run once.
 
-    Its keys/values and last hidden states are handed to each micro-batch as leaf tensors; each
+    Its keys/values and hidden states are handed to each micro-batch as leaf tensors; each
     micro-batch's backward adds its gradient into them, and `backward()`, after the last of them,
     runs the prefix's own backward once with the sums. Values and gradients are those of running
     the prefix in every micro-batch (tests/trainer/test_merged_step.py), for (M - 1) x L fewer
     positions. Its activations are kept until then: one row of L positions beyond the budget.
+    With a `parent` (a shorter prefix of the same rows) only the tokens past it run, on its cache;
+    the leaves then cover the whole prefix, and the backward sends the parent its share.
     """
 
-    def __init__(self, model: Any, ids: Tensor) -> None:
+    def __init__(self, model: Any, ids: Tensor, parent: StepPrefix | None = None) -> None:
         decoder, _ = _body_and_head(model)
         device = next(model.parameters()).device
-        L = ids.shape[-1]
+        start = parent.length if parent is not None else 0
+        L = start + ids.shape[-1]
+        kw = _cache_kwarg(model)
+        on = {kw: parent.cache(1)} if parent is not None else {}
         with _body_precision(model):
             out = decoder(
                 input_ids=ids[None].to(device),
-                position_ids=torch.arange(L, device=device)[None],
+                position_ids=torch.arange(start, L, device=device)[None],
                 use_cache=True,
+                **on,
             )
-        cache = getattr(out, _cache_kwarg(model))
+        cache = getattr(out, kw)  # the parent's keys/values and these, concatenated
+        hidden = out.last_hidden_state
+        if parent is not None:
+            hidden = torch.cat([parent.hidden(1), hidden], dim=1)
         self.length = L
         self._outputs = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        self._outputs.append(out.last_hidden_state)
+        self._outputs.append(hidden)
         self._leaves = [t.detach().requires_grad_(t.requires_grad) for t in self._outputs]
 
     def cache(self, batch: int) -> Any:
@@ -318,6 +328,49 @@ class StepPrefix:
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self._outputs, self._leaves = [], []
+
+
+class StepPrefixes:
+    """The step's tree of prefixes (planned by rows.micro_batches_by_tokens) as the step runs it.
+
+    A node runs once, when the first micro-batch under it comes (after its parent); its backward
+    runs once everything on it (micro-batches, longer nodes) has had its own, then it is its parent's
+    turn. The micro-batches come depth first, so only the nodes on the current path are alive.
+    """
+
+    def __init__(self, model: Any, batches: list[Rows]) -> None:
+        self._model = model
+        self._nodes: dict[int, StepPrefix] = {}
+        self._parent: dict[int, int] = {}
+        self._left: collections.Counter[int] = collections.Counter()  # what still runs on each node
+        for b in batches:
+            if b.num_tokens and b.prefix:
+                self._left[b.prefix[-1][0]] += 1
+                self._parent.update({c: p for (p, _), (c, _) in zip(b.prefix, b.prefix[1:], strict=False)})
+        for p in self._parent.values():
+            self._left[p] += 1
+        self.positions = 0  # the positions the nodes ran
+
+    def enter(self, rows: Rows) -> StepPrefix | None:
+        """The deepest node `rows` runs on, its missing ancestors and itself run first; None: none."""
+        node = None
+        for nid, length in rows.prefix:
+            if nid not in self._nodes:
+                start = node.length if node is not None else 0
+                self._nodes[nid] = StepPrefix(self._model, rows.input_ids[0, start:length], node)
+                self.positions += length - start
+            node = self._nodes[nid]
+        return node
+
+    def leave(self, rows: Rows) -> None:
+        """After the backward of `rows`: the backward of each node nothing else runs on any more."""
+        nid: int | None = rows.prefix[-1][0] if rows.prefix else None
+        while nid is not None:
+            self._left[nid] -= 1
+            if self._left[nid]:
+                return
+            self._nodes.pop(nid).backward()
+            nid = self._parent.get(nid)
 
 
 def row_hidden_states(model: Any, rows: Rows, prefix: StepPrefix | None = None) -> Tensor:

@@ -15,7 +15,6 @@ with top-p/top-k), and `kl/lag0` with a warning says so.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import time
@@ -32,7 +31,7 @@ from rlproxy.trainer import losses
 from rlproxy.trainer.batches import baseline_index
 from rlproxy.trainer.config import TrainerConfig, learning_rate_for
 from rlproxy.trainer.model import (
-    StepPrefix,
+    StepPrefixes,
     default_temperature,
     gradient_checkpointing,
     reference_row_logprobs,
@@ -168,22 +167,13 @@ def train_step(
     sums: dict[str, float] = {}
     lag0_kl, lag0_tokens = 0.0, 0.0
     positions_run = 0
-    # a prefix its cluster's micro-batches share runs once, its backward after their last (StepPrefix)
-    shared_by = collections.Counter(b.prefix_group for b in batches if b.num_tokens and b.prefix_len)
-    left = dict(shared_by)  # micro-batches of each prefix still to run
-    prefixes: dict[int, StepPrefix] = {}
+    # a prefix several micro-batches share runs once, its backward after theirs (StepPrefixes)
     checkpointed = gradient_checkpointing(model)  # no KV cache: every row runs whole
+    prefixes = StepPrefixes(model, [] if checkpointed else batches)
     for batch, ref_logp in zip(batches, ref, strict=True):
         if not batch.num_tokens:
             continue  # nothing trained in it (a sampled token at position 0 has nothing to predict it)
-        prefix = None
-        if shared_by[batch.prefix_group] > 1 and not checkpointed:
-            prefix = prefixes.get(batch.prefix_group)
-            if prefix is None:
-                prefix = prefixes[batch.prefix_group] = StepPrefix(
-                    model, batch.input_ids[0, : batch.prefix_len]
-                )
-                positions_run += prefix.length
+        prefix = None if checkpointed else prefixes.enter(batch)
         positions_run += batch.positions if checkpointed else batch.positions_run(prefix is not None)
         logp, raw, entropy, _ = row_logprobs(model, batch, prefix=prefix)  # (N,) tempered; raw at T = 1
         stored = batch.old_logp.to(logp.device)
@@ -204,9 +194,7 @@ def train_step(
         m["entropy/mean"] = entropy.mean().item() if entropy.numel() else 0.0
         loss.backward()
         if prefix is not None:
-            left[batch.prefix_group] -= 1
-            if left[batch.prefix_group] == 0:  # the cluster's last micro-batch: the prefix's backward
-                prefixes.pop(batch.prefix_group).backward()
+            prefixes.leave(batch)
         loss_total += loss.item()
         share = batch.num_tokens / max(total_tokens, 1)  # metrics: token-weighted means
         for k, v in m.items():
@@ -268,7 +256,8 @@ def train_step(
             "loss/grad_norm": float(grad_norm),
             "perf/seconds": seconds,
             "perf/input_tokens": float(input_tokens),
-            "perf/positions_run": float(positions_run),  # padding included, each shared prefix once
+            # padding included, each shared prefix once
+            "perf/positions_run": float(positions_run + prefixes.positions),
             "perf/tokens_per_s": input_tokens / max(seconds, 1e-9),
             "perf/micro_batches": float(n_micro),
             "perf/policy_lag_mean": sum(lags) / len(lags),

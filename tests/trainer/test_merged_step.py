@@ -300,8 +300,9 @@ def test_peak_memory_follows_micro_batch_tokens(policy) -> None:
     unmerged, _ = peak_saved(
         policy, runs, merge_calls=False, loss_weighting="per_call", micro_batch_tokens=None
     )
-    # measured: 24.5 MB (per call, today's), 19.3 MB (per call, chunked head), 10.1 MB merged in 4 rows
-    assert saved.peak > 2 * four and unmerged > 1.5 * four
+    # measured: 24.5 MB (per call, the old path), 10.1 MB merged in 4 rows, and one row per call on the
+    # prefix tree 5.7 MB (each call's prompt is the previous call's row: the tree runs it once)
+    assert saved.peak > 2 * four and unmerged < saved.peak / 3
 
 
 async def test_sql_says_why_a_run_split(policy, engine, add_run) -> None:
@@ -344,24 +345,63 @@ async def test_sql_says_why_a_run_split(policy, engine, add_run) -> None:
 def test_a_prefix_its_micro_batches_share_runs_once_per_step(policy, monkeypatch) -> None:
     """One row per micro-batch: the group's task prompt runs once for all of them (StepPrefix), and
     the gradient is still the per-call oracle's to <= 1e-6."""
-    from rlproxy.trainer import step as step_module
-
     model, tok = policy
     runs = episodes(model, tok)
     base = TrainerConfig(
         loss="grpo", loss_weighting="per_call", max_grad_norm=1e9, max_policy_lag=0, micro_batch_size=1
     )
     oracle = old_gradients(model, tok, runs, base, current_step=1)
-    made: list[int] = []
-    real = step_module.StepPrefix
-
-    def counted(m, ids):
-        made.append(len(ids))
-        return real(m, ids)
-
-    monkeypatch.setattr(step_module, "StepPrefix", counted)
+    made = count_prefixes(monkeypatch)
     got, result = new_gradients(model, tok, runs, base, 1)
     assert result.metrics["perf/micro_batches"] == 4.0
-    assert made == [20]  # the task prompt of runs a, b, c: once, not once per micro-batch
+    assert made == [(20, False)]  # the task prompt of runs a, b, c: once, not once per micro-batch
     assert result.metrics["perf/positions_run"] < result.metrics["perf/input_tokens"] - 2 * 20
     assert max(float((a - b).abs().max()) for a, b in zip(got, oracle, strict=True)) <= 1e-6
+
+
+def count_prefixes(monkeypatch) -> list[tuple[int, bool]]:
+    """(tokens run, on a parent) of every StepPrefix the step builds."""
+    from rlproxy.trainer import model as model_module
+
+    made: list[tuple[int, bool]] = []
+    real = model_module.StepPrefix
+
+    def counted(m, ids, parent=None):
+        made.append((len(ids), parent is not None))
+        return real(m, ids, parent)
+
+    monkeypatch.setattr(model_module, "StepPrefix", counted)
+    return made
+
+
+def test_a_tree_of_prefixes_runs_each_once_with_the_per_call_gradient(policy, monkeypatch) -> None:
+    """Runs a and b share a long history (b picks up where a's third call began: a fork), c only the
+    task prompt, and b breaks: one row per micro-batch, the prefixes form a tree of two levels, each
+    node runs once (the deeper one on its parent's cache), and the gradient is the per-call oracle's
+    to <= 1e-6."""
+    model, tok = policy
+    g = torch.Generator().manual_seed(5)
+    task = torch.randint(10, 250, (20,), generator=g).tolist()
+    a = chain_calls("a", task, 4, g)
+    history = a[3].prompt_token_ids  # 20 + 3 x (2..5 sampled + 4) positions
+    b = chain_calls("b", history, 3, g)
+    at = len(b[1].prompt_token_ids)  # a break at b's third call, as in `episodes`
+    b[2].prompt_token_ids = b[2].prompt_token_ids[:at] + [7] + b[2].prompt_token_ids[at:]
+    c = chain_calls("c", task, 2, g)
+    runs = [
+        RunData("a", "g", "tiny", 1.0, a),
+        RunData("b", "g", "tiny", 0.0, b),
+        RunData("c", "g", "tiny", 0.5, c),
+    ]
+    runs = with_stored_logprobs(model, tok, runs, g)
+    base = TrainerConfig(loss="grpo", loss_weighting="per_call", max_grad_norm=1e9, micro_batch_size=1)
+    oracle = old_gradients(model, tok, runs, base, current_step=0)
+    made = count_prefixes(monkeypatch)
+    got, result = new_gradients(model, tok, runs, base, 0)
+    assert result.metrics["merge/breaks"] == 1.0
+    # the task prompt, then a's history past it for a, b and b's second segment, on the first
+    assert made == [(20, False), (len(history) - 20, True)]
+    # 4 rows: the task prompt once, not 4 times; the history past it once, not 3 times
+    merged = result.metrics["merge/positions_merged"]
+    assert result.metrics["perf/positions_run"] == merged - 3 * 20 - 2 * (len(history) - 20)
+    assert max(float((x - y).abs().max()) for x, y in zip(got, oracle, strict=True)) <= 1e-6

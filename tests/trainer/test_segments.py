@@ -228,3 +228,38 @@ def test_groups_are_packed_apart_so_each_shares_its_prompt() -> None:
     parts = micro_batches_by_tokens(build(runs)[0], 0, max_rows=8, max_tokens=None)
     assert [p.input_ids.shape[0] for p in parts] == [4, 4]
     assert [p.shared for p in parts] == [21, 21]
+
+
+def test_micro_batches_are_planned_on_the_tree_of_shared_prefixes() -> None:
+    """A and B share an 80-token history, C only its first 40 (the task prompt), D nothing: two nodes,
+    the deeper on the first, each micro-batch under its deepest; A and B, 50 positions apart in
+    length, are not padded together (PAD_LIMIT), so the history runs once as a node of its own."""
+    from rlproxy.trainer.rows import PAD_LIMIT
+    from rlproxy.trainer.segments import Segment
+
+    def seg(name: str, ids: list[int]) -> Segment:
+        n = len(ids)
+        return Segment(
+            name, 1.0, ids, [False] * (n - 1) + [True], [math.nan] * n, [1.0] * n, [0] * n,
+            [-1] * (n - 1) + [0], [0.0] * (n - 1) + [1.0],
+        )  # fmt: skip
+
+    task = list(range(1, 41))
+    history = task + list(range(100, 140))
+    segs = [
+        seg("A", history + [1] * 60),
+        seg("B", history + [2] * 10),
+        seg("C", task + [3] * 50),
+        seg("D", [9] * 30),
+    ]
+    assert 140 - 90 > PAD_LIMIT
+    parts = micro_batches_by_tokens(segs, 0, max_rows=8, max_tokens=None)
+    got = [([s.run_id for s in p.segments], [length for _, length in p.prefix]) for p in parts]
+    assert got == [(["D"], []), (["C"], [40]), (["A"], [40, 80]), (["B"], [40, 80])]
+    assert len({p.prefix[0][0] for p in parts if p.prefix}) == 1  # one node of 40 for C, A and B
+    run = sum(p.positions_run(prefixed=True) for p in parts)
+    assert run + 40 + (80 - 40) == 30 + 50 + 60 + 10 + 80  # every position once: the tree's size
+    # rows of about one length still share a micro-batch, and then its `shared` prefix, not a node
+    close = [seg("A", history + [1] * 20), seg("B", history + [2] * 10)]
+    (one,) = micro_batches_by_tokens(close, 0, max_rows=8, max_tokens=None)
+    assert one.prefix == () and one.shared == 80
