@@ -218,7 +218,7 @@ def _favored(model_dir: str) -> set[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2400)
 def test_multi_call_episodes_learn_on_tiny(tmp_path: Path, cache_dir: Path) -> None:
     """The directory agent's episodes (several model calls each, reminders in between) through the real
     `rlproxy serve` with its trainer: every call of a run trains with the run's advantage. The random
@@ -226,15 +226,20 @@ def test_multi_call_episodes_learn_on_tiny(tmp_path: Path, cache_dir: Path) -> N
     tokens (all calls of the episode) in a fixed half of the vocabulary. Episodes run one at a time
     with fixed seeds, on one thread: deterministic on one machine, not across CPUs (float kernels
     differ, so sampled tokens diverge): trainer seed 0 alone passed CI at 6357d57 and gained +0.003 on
-    another (an AMD EPYC), where seeds 1 and 2 gained more. So three trainer seeds, and two of them
-    must gain."""
+    another (an AMD EPYC), where seeds 1 and 2 gained more. Nor across equal gradients: at lr 0.05 a
+    step's change in the 7th digit (27b67df's prefix tree, the same gradient within 7e-7) sends a seed
+    elsewhere. On a 2-core Xeon, seeds 0-7 gained 0.014 0.278 0.039 0.462 0.295 0.387 0.158 0.271 at
+    27b67df; seeds 0-2 gained 0.440 0.287 0.164 at the commit before it. A seed that does not learn
+    stays near +0.0 (0 and 2 there). So six trainer seeds: their mean gain >= 0.15, and at least half
+    of them gain > 0.1."""
     from rlproxy.inference.models import resolve_model
 
     favored = _favored(resolve_model("tiny", cache_dir=cache_dir))
-    curves = [_learn_curve(tmp_path / f"seed{seed}", cache_dir, favored, seed) for seed in (0, 1, 2)]
+    curves = [_learn_curve(tmp_path / f"seed{seed}", cache_dir, favored, seed) for seed in range(6)]
     gains = [sum(c[-3:]) / 3 - sum(c[:3]) / 3 for c in curves]
     shown = [(round(g, 3), [round(m, 3) for m in c]) for g, c in zip(gains, curves, strict=True)]
-    assert sum(g > 0.1 for g in gains) >= 2, shown
+    assert sum(gains) / len(gains) >= 0.15, shown
+    assert sum(g > 0.1 for g in gains) >= len(gains) // 2, shown
 
 
 def _learn_curve(tmp_path: Path, cache_dir: Path, favored: set[int], seed: int) -> list[float]:
