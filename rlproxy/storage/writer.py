@@ -108,12 +108,15 @@ REWARD_WAIT_S = 0.05  # a reward waits for the batch being gathered at most this
 class _Item:
     """A queued completion: the record, its serialized size, its journal segment."""
 
-    __slots__ = ("rec", "size", "seg", "replayed", "sanitized", "payload", "key")
+    __slots__ = ("rec", "run_id", "size", "seg", "replayed", "sanitized", "payload", "key")
 
     def __init__(
         self, rec: CompletionRecord, size: int, seg: Segment | None, replayed: bool, payload: bytes = b""
     ) -> None:
-        self.rec = rec
+        # With a writer process only `payload` is sent: `_send` then drops the record, so its
+        # nested dicts and token lists die with the request, not in a burst when the batch settles.
+        self.rec: CompletionRecord | None = rec
+        self.run_id = rec.run_id
         self.size = size
         self.seg = seg
         self.replayed = replayed  # from the journal: may be committed already (checked by capture_id)
@@ -547,6 +550,8 @@ class Writer:
         self._next_key += 1
         op.key = self._next_key
         self._ops[op.key] = op
+        if isinstance(op, _Item) and op.payload:
+            op.rec = None  # the payload is what is sent, now and on a restart (see _Item)
         if self._child is None or not self._child.connected:
             return  # sent by `_spawn` once a process is there
         wire = self._wire(op, False)
@@ -823,11 +828,11 @@ class Writer:
             if isinstance(op, _Item):
                 if keep and op.seg is not None:
                     self._bytes -= op.size
-                    log.warning("writer: completion of run %s left to the journal: %s", op.rec.run_id, err)
+                    log.warning("writer: completion of run %s left to the journal: %s", op.run_id, err)
                     continue
                 self._resolved(op)
                 self.dropped += 1
-                log.error("writer: dropped a completion of run %s: %s", op.rec.run_id, err)
+                log.error("writer: dropped a completion of run %s: %s", op.run_id, err)
             elif isinstance(op, _Reward):
                 if not op.future.done():
                     op.future.set_exception(StorageError(f"reward of run {op.run_id} not stored: {err}"))
