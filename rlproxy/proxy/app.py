@@ -105,6 +105,7 @@ def create_app(state: ProxyState) -> FastAPI:
             max_queue_bytes=settings.write_queue_max_bytes,
             journal=_journal(settings, db_url),
             process=settings.writer_process,
+            idle_priority=settings.writer_idle_priority,
         )
         state.metrics.attach_writer(state.writer, settings.store_unhealthy_after)
         state.runs = RunState(state.engine, poll_interval=settings.run_state_poll_interval)

@@ -178,13 +178,19 @@ class Writer:
         journal: Journal | None = None,
         thread: bool | None = None,
         process: bool = False,
+        idle_priority: bool = False,
     ) -> None:
         self._engine = engine  # the caller's; SQL goes through self._db (the thread's clone)
         self._db = engine
         # process=True: the SQL runs in a writer process (storage/writer_link.py) when the engine
         # can be made again there (a database file or server, no options that cannot travel)
         recipe = engine_recipe(engine) if process and not _in_memory(engine) else None
-        self._recipe = recipe and {**recipe, "flush_interval": flush_interval, "max_batch": max_batch}
+        self._recipe = recipe and {
+            **recipe,
+            "flush_interval": flush_interval,
+            "max_batch": max_batch,
+            "idle_priority": idle_priority,  # writer_process.py: SCHED_IDLE (settings.writer_idle_priority)
+        }
         self._child: WriterProcess | None = None
         # a completion is sent within this (it is journaled): shorter than a batch's gathering
         self._item_wait = min(flush_interval, REWARD_WAIT_S) / 2

@@ -114,6 +114,21 @@ class _Child(Writer):
                 self.link.send(("stats", now))
 
 
+def _idle_priority() -> None:
+    """Run at the scheduler's idle priority (settings.writer_idle_priority).
+
+    Why: on a box whose cores are all taken for a moment, a request's next process (the upstream, the
+    client, the proxy itself) woken onto the core running a batch waited for the scheduler's wakeup
+    granularity (~2 ms on 2 cores) behind this process's SQL. A SCHED_IDLE process yields at once, and
+    its core counts as free when the scheduler places a woken task. The cost: it runs only on spare
+    CPU, and leaving SCHED_IDLE needs CAP_SYS_NICE, so it is never undone (hence opt-in).
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as exc:  # not Linux, or refused: the normal priority then
+        log.warning("writer process: idle priority not available (%s); running at normal priority", exc)
+
+
 async def _serve(fd: int) -> None:
     loop = asyncio.get_running_loop()
     child: _Child | None = None
@@ -129,6 +144,8 @@ async def _serve(fd: int) -> None:
             level=config.get("log_level", logging.WARNING),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+        if config.get("idle_priority"):
+            _idle_priority()
         child = _Child(config, link)
         started.set_result(child)
 
