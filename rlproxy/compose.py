@@ -195,6 +195,9 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     Its `.state.proxy` is the `ProxyState` every route shares (tests and tools read it there).
     """
     backend = backend if backend is not None else make_backend(settings)
+    if settings.writer_idle_priority is None:  # unset: idle when the engine is a server of its own
+        idle = isinstance(backend, VLLMBackend)  # (the embedded one decodes in this process)
+        settings = settings.model_copy(update={"writer_idle_priority": idle})
     try:  # known before start() for the embedded engine; an attached server tells us on start()
         base_model = backend.served_model
     except Exception:

@@ -73,6 +73,13 @@ class _WriterCollector:
                 "writer processes that died and were replaced (each sent everything not yet committed)",
                 num("restarts"),
             ),
+            (
+                GaugeMetricFamily,
+                "rlproxy_writer_idle_priority",
+                "1 while the writer process runs at the scheduler's idle priority (0: normal, or replaced"
+                " at normal priority after it starved there)",
+                num("idle_priority"),
+            ),
             (GaugeMetricFamily, "rlproxy_write_queue_depth", "records waiting for the writer", num("depth")),
             (
                 GaugeMetricFamily,

@@ -103,6 +103,15 @@ MAX_BACKOFF_S = 2.0
 PEER_GRACE_S = 1.0
 PEER_RETRY_S = 0.05
 REWARD_WAIT_S = 0.05  # a reward waits for the batch being gathered at most this long (module doc)
+# A writer process at idle priority (`idle_priority`) is replaced by one at the normal priority once
+# it starves: runnable but not running for STARVED_SHARE of the last STARVED_SPAN_S, with operations
+# waiting at every look (one each STARVE_CHECK_S). The kernel counts a wait when it ends, so a
+# starved process's count moves in bursts: the span is several looks long. Under bench/proxy.py's
+# loads it waits 10-30% of the time; under a busy loop on every core, most of it. Slow SQL (a locked
+# store) is not runnable time: its busy handler sleeps.
+STARVE_CHECK_S = 0.5
+STARVED_SPAN_S = 2.0
+STARVED_SHARE = 0.5
 
 
 class _Item:
@@ -189,9 +198,15 @@ class Writer:
             **recipe,
             "flush_interval": flush_interval,
             "max_batch": max_batch,
-            "idle_priority": idle_priority,  # writer_process.py: SCHED_IDLE (settings.writer_idle_priority)
+            # writer_process.py: SCHED_IDLE, where the starvation watch can see the scheduler
+            "idle_priority": idle_priority and WriterProcess.can_watch(),
         }
         self._child: WriterProcess | None = None
+        self._spawned = 0  # writer processes started: from the second on, ops are sent "again"
+        self._watch: asyncio.TimerHandle | None = None  # `_watch_priority`, while at idle priority
+        # (when, its run-queue seconds) at the looks since operations last found none waiting
+        self._waited: collections.deque[tuple[float, float]] = collections.deque()
+        self._demoting = False  # the writer process is being replaced at normal priority
         # a completion is sent within this (it is journaled): shorter than a batch's gathering
         self._item_wait = min(flush_interval, REWARD_WAIT_S) / 2
         self._ops: dict[int, _Op] = {}  # sent to the writer process, not settled yet (by key)
@@ -263,6 +278,11 @@ class Writer:
     def full(self) -> bool:
         """True while new requests must wait for `room()` (the hot path's cheap check)."""
         return not self._room.is_set()
+
+    @property
+    def idle_priority(self) -> bool:
+        """True while the writer process runs (or is to run) at the scheduler's idle priority."""
+        return bool(self._recipe and self._recipe["idle_priority"])
 
     def stalled_for(self) -> float:
         """Seconds work has been waiting without a commit (0 when the queue is empty)."""
@@ -546,7 +566,11 @@ class Writer:
         """Start a writer process and send it every operation not settled yet, in order."""
         self._child = WriterProcess(self._from_child, self._child_lost)
         await self._child.spawn({**self._recipe, "log_level": logging.getLogger().getEffectiveLevel()})
-        again = self.restarts > 0  # a dead process may have committed some of them
+        again = self._spawned > 0  # a dead (or replaced) process may have committed some of them
+        self._spawned += 1
+        self._waited.clear()
+        if self._recipe["idle_priority"] and self._watch is None:
+            self._watch = asyncio.get_running_loop().call_later(STARVE_CHECK_S, self._watch_priority)
         for op in list(self._ops.values()):
             wire = self._wire(op, again)
             if wire is not None:
@@ -634,9 +658,48 @@ class Writer:
         )
         self.last_error = stats[5]
 
+    def _watch_priority(self) -> None:
+        """Every STARVE_CHECK_S while the writer process runs at idle priority: replace it with one
+        at the normal priority once it starves (see STARVED_SHARE). The idle priority keeps its SQL
+        from delaying requests on a busy core (docs/performance.md); where the cores are kept busy
+        (a trainer or an engine on them) it would get only their leftovers, and a process cannot
+        leave SCHED_IDLE by itself without CAP_SYS_NICE."""
+        self._watch = None
+        if self._task is None or self._task.done() or not self._recipe["idle_priority"]:
+            return
+        self._watch = asyncio.get_running_loop().call_later(STARVE_CHECK_S, self._watch_priority)
+        child = self._child
+        waited = child.waited() if child is not None and child.connected and not self._demoting else None
+        looks = self._waited
+        if waited is None or not self._ops:
+            looks.clear()
+            return
+        now = time.monotonic()
+        looks.append((now, waited))
+        while len(looks) > 1 and now - looks[1][0] >= STARVED_SPAN_S:
+            looks.popleft()
+        span = now - looks[0][0]
+        share = (waited - looks[0][1]) / span if span > 0 else 0.0
+        if span >= STARVED_SPAN_S and share >= STARVED_SHARE:
+            log.warning(
+                "writer process: starved at idle priority (runnable but not running %.0f%% of the last"
+                " %.1f s, %d operations waiting); replacing it with one at the normal priority",
+                100 * share,
+                span,
+                len(self._ops),
+            )
+            self._recipe["idle_priority"] = False
+            self._demoting = True
+            child.kill()  # what it had not settled is sent again to the next one, as after a crash
+
     def _child_lost(self, exc: Exception | None) -> None:
         """The writer process's socket ended: expected after "stopped", else the process died."""
         if self._task is None or self._task.done():
+            return
+        if self._demoting:  # `_watch_priority` ended it: not a death
+            self._demoting = False
+            self._base = self.totals()
+            self._respawn = asyncio.get_running_loop().create_task(self._restart())
             return
         self._deaths += 1
         self.restarts += 1
@@ -714,10 +777,10 @@ class Writer:
             batch.append(op)
             if isinstance(op, _Flush | _Stop):
                 self._urgent_out += 1
-            elif isinstance(op, _Reward):
-                self._soon_out += 1
                 if isinstance(op, _Stop):
                     break
+            elif isinstance(op, _Reward):
+                self._soon_out += 1
         return batch
 
     async def _sleep_until(self, mode: int, timeout: float | None) -> None:

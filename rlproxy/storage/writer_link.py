@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import pickle
 import socket
 import struct
@@ -190,6 +191,25 @@ class WriterProcess:
     @property
     def connected(self) -> bool:
         return self.link is not None and not self.link.closed
+
+    @staticmethod
+    def can_watch() -> bool:
+        """Whether `waited` can tell (Linux with the scheduler's statistics)."""
+        return os.path.exists("/proc/self/schedstat")
+
+    def waited(self) -> float | None:
+        """Seconds the child has been runnable but not running, in all (None: not known)."""
+        if self.proc is None:
+            return None
+        try:
+            with open(f"/proc/{self.proc.pid}/schedstat", "rb") as f:
+                return int(f.read().split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
 
     def returncode(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None

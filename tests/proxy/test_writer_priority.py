@@ -1,16 +1,22 @@
 """`writer_idle_priority`: the writer process runs at the scheduler's idle priority (issue 24).
 
-Why it exists (docs/performance.md, the fourth pass): on 2 cores, a request's next process woken
-onto the core running the writer's batch waited behind it for the scheduler's wakeup granularity;
-at SCHED_IDLE the writer yields at once. Through a real proxy under uvicorn on a stub upstream: the
-setting reaches the writer process (and the one that replaces it after a kill -9), the default
-leaves it at the normal policy, and the store is written the same either way.
+Why it exists (docs/performance.md, the fourth and fifth passes): on 2 cores, a request's next
+process woken onto the core running the writer's batch waited behind it for the scheduler's wakeup
+granularity; at SCHED_IDLE the writer yields at once. Unset, it is on in front of an inference server
+of its own (vLLM, here a stub), and a writer that starves there is replaced by one at the normal
+priority (storage/writer.py, `_watch_priority`). Through a real proxy under uvicorn: the policy
+reaches the writer process and the one that replaces it after a kill -9; `false` leaves it at the
+normal policy; CPU hogs on every core get the writer replaced at the normal priority with nothing
+lost; a locked store (slow SQL, not starvation) keeps it idle; the store is written the same in
+every case.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sqlite3
+import subprocess
 import sys
 import time
 
@@ -19,13 +25,18 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
 
+BODY = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
 
-def _serve(proxy, prefix: str) -> None:
-    body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+
+def _chat(proxy, prefix: str, n: int = 4) -> None:
     with httpx.Client(base_url=proxy.url, timeout=30) as client:
-        for i in range(4):
-            resp = client.post("/v1/chat/completions", json=body, headers={"X-Run-Id": f"{prefix}-{i % 2}"})
+        for i in range(n):
+            resp = client.post("/v1/chat/completions", json=BODY, headers={"X-Run-Id": f"{prefix}-{i % 2}"})
             assert resp.status_code == 200
+
+
+def _reward(proxy, prefix: str) -> None:
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
         for run in (f"{prefix}-0", f"{prefix}-1"):
             assert client.post(f"/v1/runs/{run}/reward", json={"reward": 1.0}).status_code == 200
 
@@ -34,26 +45,112 @@ def _policy(proxy) -> int:
     return os.sched_getscheduler(proxy.state.writer._child.proc.pid)
 
 
-def test_the_writer_process_runs_idle_when_asked_and_after_a_restart(make_proxy, stub) -> None:
-    proxy = make_proxy(stub.url, writer_process=True, writer_idle_priority=True)
-    _serve(proxy, "idle")
-    assert _policy(proxy) == os.SCHED_IDLE
-    first = proxy.state.writer._child.proc.pid
-    os.kill(first, signal.SIGKILL)
-    deadline = time.monotonic() + 30
+def _metric(proxy, name: str) -> float:
+    for line in httpx.get(f"{proxy.url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not on /metrics")
+
+
+def _next_child(proxy, first: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:  # the writer replaces a dead process (storage/writer.py)
         child = proxy.state.writer._child
         if child is not None and child.proc.pid != first and child.connected:
-            break
+            return
         time.sleep(0.05)
-    _serve(proxy, "again")
-    assert proxy.state.writer._child.proc.pid != first
+    raise AssertionError("no writer process replaced the first one")
+
+
+def test_the_writer_process_runs_idle_by_default_and_after_a_restart(make_proxy, stub) -> None:
+    proxy = make_proxy(stub.url)  # in front of an inference server of its own: idle
+    _chat(proxy, "idle")
+    _reward(proxy, "idle")
+    assert _policy(proxy) == os.SCHED_IDLE
+    assert _metric(proxy, "rlproxy_writer_idle_priority") == 1.0
+    first = proxy.state.writer._child.proc.pid
+    os.kill(first, signal.SIGKILL)
+    _next_child(proxy, first)
+    _chat(proxy, "again")
+    _reward(proxy, "again")
     assert _policy(proxy) == os.SCHED_IDLE
     assert proxy.query("SELECT count(*) FROM completions") == [(8,)]
     assert proxy.query("SELECT count(*) FROM runs WHERE reward = 1.0") == [(4,)]
 
 
-def test_the_writer_process_runs_at_normal_priority_by_default(make_proxy, stub) -> None:
-    proxy = make_proxy(stub.url, writer_process=True)
-    _serve(proxy, "normal")
+def test_the_writer_process_runs_at_normal_priority_when_turned_off(make_proxy, stub) -> None:
+    proxy = make_proxy(stub.url, writer_idle_priority=False)
+    _chat(proxy, "normal")
     assert _policy(proxy) == os.SCHED_OTHER
+    assert _metric(proxy, "rlproxy_writer_idle_priority") == 0.0
+
+
+def test_a_starved_idle_writer_is_replaced_at_normal_priority(make_proxy, stub) -> None:
+    """A busy loop on every core at the normal priority leaves a SCHED_IDLE writer next to nothing:
+    the proxy replaces it with one at the normal priority, which stores everything, each row once."""
+    proxy = make_proxy(stub.url)
+    _chat(proxy, "before")
+    proxy.flush()
+    first = proxy.state.writer._child.proc.pid
+    assert _policy(proxy) == os.SCHED_IDLE
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    sent = 0
+    try:
+        # requests keep coming: the writer needs more CPU than the hogs leave a SCHED_IDLE process
+        deadline = time.monotonic() + 60
+        with httpx.Client(base_url=proxy.url, timeout=30) as client:
+            while proxy.state.writer._child.proc.pid == first and time.monotonic() < deadline:
+                headers = {"X-Run-Id": f"starved-{sent % 2}"}
+                assert client.post("/v1/chat/completions", json=BODY, headers=headers).status_code == 200
+                sent += 1
+        _next_child(proxy, first, timeout=10.0)
+        _reward(proxy, "starved")  # committed by the new one, with the hogs still running
+        assert _policy(proxy) == os.SCHED_OTHER
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    proxy.flush()
+    assert _metric(proxy, "rlproxy_writer_idle_priority") == 0.0
+    assert _metric(proxy, "rlproxy_writer_restarts_total") == 0.0  # replaced, not died
+    n = 4 + sent
+    assert proxy.query("SELECT count(*), count(DISTINCT capture_id) FROM completions") == [(n, n)]
+    assert proxy.query("SELECT count(*) FROM runs WHERE reward = 1.0") == [(2,)]
+
+
+def test_a_locked_store_is_not_starvation(make_proxy, stub) -> None:
+    """The writer waits for SQLite's lock asleep, not runnable: it keeps its idle priority."""
+    proxy = make_proxy(stub.url)
+    _chat(proxy, "first")
+    proxy.flush()
+    first = proxy.state.writer._child.proc.pid
+    holder = sqlite3.connect(proxy.db_path, timeout=30)
+    try:
+        holder.execute("BEGIN IMMEDIATE")  # the writer's transactions wait for it (busy timeout)
+        _chat(proxy, "locked")
+        time.sleep(2.5)  # five of the watch's windows
+        assert proxy.state.writer.depth > 0  # still waiting for the lock
+    finally:
+        holder.rollback()
+        holder.close()
+    proxy.flush()
+    assert proxy.state.writer._child.proc.pid == first
+    assert _policy(proxy) == os.SCHED_IDLE
+    assert proxy.query("SELECT count(*) FROM completions") == [(8,)]
+
+
+def test_unset_it_is_off_where_this_process_runs_the_engine(engine_backend, tmp_path) -> None:
+    """The embedded engine decodes in the proxy's process: its writer starts at the normal priority;
+    in front of an inference server of its own (vLLM), at the idle one; a value set is kept."""
+    from rlproxy.compose import build_app
+    from rlproxy.inference.vllm import VLLMBackend
+    from rlproxy.settings import Settings
+
+    def resolved(backend, **fields) -> bool | None:
+        settings = Settings(db_url=str(tmp_path / "x.db"), train=False, model="m", **fields)
+        return build_app(settings, backend).state.proxy.settings.writer_idle_priority
+
+    assert resolved(engine_backend) is False
+    assert resolved(VLLMBackend("m", upstream="http://127.0.0.1:9")) is True
+    assert resolved(engine_backend, writer_idle_priority=True) is True
+    assert resolved(VLLMBackend("m", upstream="http://127.0.0.1:9"), writer_idle_priority=False) is False
