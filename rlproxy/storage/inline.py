@@ -9,7 +9,8 @@ Here a statement is a plain `sqlite3` call on the writer's thread, awaited as a 
 never suspends, so `rows.py` keeps one async signature for SQLite and PostgreSQL alike.
 
 Only what the writer calls exists: `connect`, `dispose` and `dialect` on the engine; `execute`,
-`begin` (an async context manager), `execution_options`, `close` and `invalidate` on a connection.
+`exec_driver_sql`, `begin` (an async context manager), `execution_options`, `close` and
+`invalidate` on a connection.
 Results are SQLAlchemy's own (`first`, `all`, `scalars`, ...).
 """
 
@@ -45,6 +46,9 @@ class InlineConnection:
 
     async def execute(self, statement: Any, parameters: Any = None) -> Any:
         return self.sync_connection.execute(statement, parameters)
+
+    async def exec_driver_sql(self, statement: str, parameters: Any = None) -> Any:
+        return self.sync_connection.exec_driver_sql(statement, parameters)
 
     async def execution_options(self, **options: Any) -> InlineConnection:
         self.sync_connection.execution_options(**options)

@@ -64,7 +64,10 @@ def encode(rec: CompletionRecord) -> bytes:
 def decode(payload: bytes) -> CompletionRecord:
     """The record `encode` wrote (non-finite floats come back as null, as the store keeps them)."""
     data = orjson.loads(payload)
-    rec = CompletionRecord(**{k: data[k] for k in _FIELDS if k in data})
+    try:  # what `encode` of this version wrote: exactly the fields
+        rec = CompletionRecord(**data)
+    except TypeError:  # another version's record: the fields both know
+        rec = CompletionRecord(**{k: data[k] for k in _FIELDS if k in data})
     if isinstance(rec.created_at, str):
         try:
             rec.created_at = datetime.fromisoformat(rec.created_at)

@@ -149,3 +149,12 @@ async def test_replay_stores_every_record_once(engine: AsyncEngine, tmp_path: Pa
     ]
     assert list((tmp_path / "j").glob("*.seg")) == []  # all committed: deleted
     await w2.close()
+
+
+def test_a_record_of_another_version_decodes_to_the_fields_both_know() -> None:
+    """A journal left by an older or newer proxy: unknown fields are dropped, missing ones default."""
+    data = json.loads(encode(rec("run", 4)))
+    data["a_field_from_the_future"] = 1
+    del data["ttft_ms"]
+    back = decode(json.dumps(data).encode())
+    assert back.run_id == "run" and back.capture_id == "cap-4" and back.ttft_ms is None
