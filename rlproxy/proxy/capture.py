@@ -106,7 +106,16 @@ def choice_prompts(top: list | None, per_choice: list[list | None]) -> list | No
 
 
 def _ints(value: object) -> bool:
-    return value is None or (isinstance(value, list) and all(type(t) is int for t in value))
+    """None, or a list of integers (bools are not). Runs on every stream chunk: a plain loop (a
+    generator cost more than the check for the usual one-token list)."""
+    if value is None:
+        return True
+    if type(value) is not list:
+        return isinstance(value, list) and all(type(t) is int for t in value)
+    for t in value:
+        if type(t) is not int:
+            return False
+    return True
 
 
 def shape_problem(resp: object, endpoint: str) -> str | None:

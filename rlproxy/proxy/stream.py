@@ -183,7 +183,7 @@ class StreamRelay(Response):
     def _event(self, event: bytes, rewrite: bool) -> bytes:
         """Fold one SSE event into the assembler; the bytes to send for it (when rewriting)."""
         if event.startswith(b"data: {") and b"\n" not in event:  # vLLM's every event: one data line
-            return self._data(event, 0, [event], rewrite)
+            return self._data(event, 0, None, rewrite)
         lines = event.split(b"\n")
         translated = b""
         for i, line in enumerate(lines):
@@ -198,19 +198,20 @@ class StreamRelay(Response):
             return translated
         return b"\n".join(lines) + b"\n\n" if rewrite else b""
 
-    def _data(self, line: bytes, i: int, lines: list[bytes], rewrite: bool) -> bytes:
-        """One `data:` line: folded in, and (rewriting) `lines[i]` replaced. What the one-line
-        fast path sends; the general path reads only the translation's and an empty chunk's b""."""
+    def _data(self, line: bytes, i: int, lines: list[bytes] | None, rewrite: bool) -> bytes:
+        """One `data:` line: folded in, and (rewriting) `lines[i]` replaced; `lines` None: the event
+        is this one line (vLLM's every event). What the one-line fast path sends; the general path
+        reads only the translation's and an empty chunk's b""."""
         payload = line[5:].strip()
         if payload == b"[DONE]" or not payload:
             self.saw_done = self.saw_done or bool(payload)
-            return b"\n".join(lines) + b"\n\n" if rewrite and self.translate is None else b""
+            return self._as_is(line, lines, rewrite)
         try:
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
             chunk = None
         if type(chunk) is not dict:
-            return b"\n".join(lines) + b"\n\n" if rewrite and self.translate is None else b""
+            return self._as_is(line, lines, rewrite)
         if "error" in chunk and not chunk.get("choices"):
             self.error = str(chunk["error"])
         assembler = self.assembler
@@ -224,8 +225,17 @@ class StreamRelay(Response):
         strip(chunk, self.inj)
         if _empty(chunk):
             return b""
-        lines[i] = b"data: " + orjson.dumps(chunk)
+        data = b"data: " + orjson.dumps(chunk)
+        if lines is None:
+            return data + b"\n\n"
+        lines[i] = data
         return b"\n".join(lines) + b"\n\n"
+
+    def _as_is(self, line: bytes, lines: list[bytes] | None, rewrite: bool) -> bytes:
+        """An event sent as the upstream wrote it (when rewriting, and not translating)."""
+        if not rewrite or self.translate is not None:
+            return b""
+        return (line if lines is None else b"\n".join(lines)) + b"\n\n"
 
 
 def _empty(chunk: dict) -> bool:
@@ -241,12 +251,14 @@ def _empty(chunk: dict) -> bool:
     if not choices:
         return False
     for c in choices:
-        if (
-            c.get("finish_reason") is not None
-            or c.get("logprobs") is not None
-            or c.get("token_ids") is not None
-        ):
+        get = c.get
+        if get("finish_reason") is not None or get("logprobs") is not None or get("token_ids") is not None:
             return False
-        if c.get("text") or any(v for v in (c.get("delta") or {}).values()):
+        if get("text"):
             return False
+        delta = get("delta")
+        if delta:
+            for v in delta.values():
+                if v:
+                    return False
     return True
