@@ -21,8 +21,8 @@ that run is open (proxy/runstate.py decides: issue 22). On a store several repli
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import orjson
@@ -43,7 +43,7 @@ class Call:
     body: dict  # the client's Responses body
     chat: dict  # the chat-completions body made from it (what is forwarded and stored as `request`)
     run_id: str | None  # the run of the previous response (inherited when the request names none)
-    response_id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    response_id: str = field(default_factory=lambda: f"resp_{os.urandom(16).hex()}")
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     @property

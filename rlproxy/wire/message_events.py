@@ -14,14 +14,14 @@ tokens (given as `cache_read_input_tokens` when the upstream reports them).
 from __future__ import annotations
 
 import json
-import uuid
+import os
 from typing import Any
 
 from rlproxy.wire.messages import error_body
 
 
 def new_message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
+    return f"msg_{os.urandom(16).hex()}"  # uuid4().hex without building a UUID
 
 
 def _usage(usage: dict | None, prompt_tokens: int | None = None) -> dict:
@@ -91,7 +91,7 @@ def message_object(chat: dict, *, message_id: str, model: str | None = None) -> 
         message["content"].append(
             {
                 "type": "tool_use",
-                "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+                "id": call.get("id") or f"toolu_{os.urandom(16).hex()}",
                 "name": fn.get("name") or "",
                 "input": _input(fn.get("arguments")),
             }
@@ -218,7 +218,7 @@ class MessageEvents:
         if self._kind != "tool_use" or self._tool_index != index:
             block = {
                 "type": "tool_use",
-                "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+                "id": call.get("id") or f"toolu_{os.urandom(16).hex()}",
                 "name": fn.get("name") or "",
                 "input": {},
             }

@@ -9,7 +9,7 @@ Both build the same items (`_message_item`, `_call_item`, ...), so a streamed an
 
 from __future__ import annotations
 
-import uuid
+import os
 from typing import Any
 
 from rlproxy.wire.responses import LOGPROBS_INCLUDE
@@ -19,7 +19,7 @@ from rlproxy.wire.responses import LOGPROBS_INCLUDE
 
 
 def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    return f"{prefix}_{os.urandom(16).hex()}"  # uuid4().hex without building a UUID
 
 
 def _want_logprobs(body: dict) -> bool:
