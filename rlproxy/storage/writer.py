@@ -569,6 +569,7 @@ class Writer:
         again = self._spawned > 0  # a dead (or replaced) process may have committed some of them
         self._spawned += 1
         self._waited.clear()
+        self._demoting = False  # (a process that died before its kill was lost as a death)
         if self._recipe["idle_priority"] and self._watch is None:
             self._watch = asyncio.get_running_loop().call_later(STARVE_CHECK_S, self._watch_priority)
         for op in list(self._ops.values()):
