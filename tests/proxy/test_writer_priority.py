@@ -52,11 +52,17 @@ def _metric(proxy, name: str) -> float:
     raise AssertionError(f"{name} not on /metrics")
 
 
+def _pid(proxy) -> int | None:
+    """The writer process's pid (None while a replacement is being started)."""
+    child = proxy.state.writer._child
+    return child.proc.pid if child is not None and child.proc is not None else None
+
+
 def _next_child(proxy, first: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:  # the writer replaces a dead process (storage/writer.py)
         child = proxy.state.writer._child
-        if child is not None and child.proc.pid != first and child.connected:
+        if _pid(proxy) not in (None, first) and child.connected:
             return
         time.sleep(0.05)
     raise AssertionError("no writer process replaced the first one")
@@ -99,7 +105,7 @@ def test_a_starved_idle_writer_is_replaced_at_normal_priority(make_proxy, stub) 
         # requests keep coming: the writer needs more CPU than the hogs leave a SCHED_IDLE process
         deadline = time.monotonic() + 60
         with httpx.Client(base_url=proxy.url, timeout=30) as client:
-            while proxy.state.writer._child.proc.pid == first and time.monotonic() < deadline:
+            while _pid(proxy) == first and time.monotonic() < deadline:
                 headers = {"X-Run-Id": f"starved-{sent % 2}"}
                 assert client.post("/v1/chat/completions", json=BODY, headers=headers).status_code == 200
                 sent += 1
