@@ -118,6 +118,16 @@ def _ints(value: object) -> bool:
     return True
 
 
+def _dicts(value: object) -> bool:
+    """A list of objects (one per sampled token for logprobs: a loop, not a generator)."""
+    if not isinstance(value, list):
+        return False
+    for e in value:
+        if not isinstance(e, dict):
+            return False
+    return True
+
+
 def shape_problem(resp: object, endpoint: str) -> str | None:
     """What makes `resp` (a parsed 200 body) no completion of `endpoint`'s shape, or None.
 
@@ -160,9 +170,7 @@ def shape_problem(resp: object, endpoint: str) -> str | None:
                     if not isinstance(tc, dict) or not isinstance(tc.get("function", {}), dict):
                         return f"choices[{i}].message.tool_calls[{j}] is not a tool call object"
             content = lp.get("content") if lp else None
-            if content is not None and not (
-                isinstance(content, list) and all(isinstance(e, dict) for e in content)
-            ):
+            if content is not None and not _dicts(content):
                 return f"choices[{i}].logprobs.content is not a list of objects"
         elif c.get("text") is not None and not isinstance(c["text"], str):
             return f"choices[{i}].text is not a string"

@@ -78,17 +78,17 @@ def _listed(raw: list[tuple[bytes, bytes]]) -> set[bytes]:
     """Header names a `Connection` header lists (hop-by-hop by declaration), lower-case."""
     names: set[bytes] = set()
     for k, v in raw:
-        if k.lower() == b"connection":
+        if k == b"connection":
             names.update(n.strip().lower() for n in v.split(b","))
     return names
 
 
 def _strip(raw: list[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[tuple[bytes, bytes]]:
-    """`raw` minus hop-by-hop headers and `drop`, names lower-cased."""
+    """`raw` minus hop-by-hop headers and `drop`. Names come lower-case (ASGI's, http11's, and
+    the relay's, which lowers aiohttp's): this runs twice per request, on every header."""
     listed = _listed(raw)
     out = []
     for k, v in raw:
-        k = k.lower()
         if k in drop or k in listed or k.startswith(b"proxy-"):
             continue
         out.append((k, v))

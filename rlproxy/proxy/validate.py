@@ -132,15 +132,19 @@ def _deeper_than(value: object, max_depth: int) -> bool:
     return False
 
 
+def _mistyped(value: object, types: tuple) -> bool:
+    return not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+
+
 def check(body: dict, endpoint: Endpoint) -> None:
     """422 APIError for the first field of the wrong type (`endpoint`: which route)."""
     rules = _CHAT if endpoint == Endpoint.CHAT else _COMPLETIONS
-    for field, (types, want) in rules.items():
-        value = body.get(field)
-        if value is None:
-            continue
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise _wrong(field, want)
+    for field, value in body.items():  # the body's few fields, not every rule (on every request)
+        rule = rules.get(field)
+        if rule is not None and value is not None and _mistyped(value, rule[0]):
+            for name, (types, want) in rules.items():  # the first wrong one in the rules' order
+                if (v := body.get(name)) is not None and _mistyped(v, types):
+                    raise _wrong(name, want)
     n = body.get("n")
     if n is not None and n < 1:
         raise APIError(422, "n: must be at least 1", param="n", code="invalid_value")
