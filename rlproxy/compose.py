@@ -196,8 +196,13 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     """
     backend = backend if backend is not None else make_backend(settings)
     if settings.writer_idle_priority is None:  # unset: idle when the engine is a server of its own
-        idle = isinstance(backend, VLLMBackend)  # (the embedded one decodes in this process)
-        settings = settings.model_copy(update={"writer_idle_priority": idle})
+        idle = isinstance(backend, VLLMBackend) and settings.writer_process  # (the embedded one
+        settings = settings.model_copy(update={"writer_idle_priority": idle})  # decodes in this process)
+    elif settings.writer_idle_priority and not settings.writer_process:
+        logger.warning(
+            "writer_idle_priority has no effect with writer_process=false: the writer thread runs in "
+            "the serving process, whose priority it does not lower"
+        )
     try:  # known before start() for the embedded engine; an attached server tells us on start()
         base_model = backend.served_model
     except Exception:

@@ -252,7 +252,8 @@ class StoreSettings(BaseModel):
         "request never waits behind a batch's SQL for a core (tagged c=1 p99 ~5.4 -> ~3.6 ms on 2 "
         "cores, docs/performance.md). A writer that starves there (a trainer or an engine keeping "
         "every core busy) is replaced by one at the normal priority within ~2 s. Unset: on in front "
-        "of vLLM, off with the embedded engine (it decodes in this process, keeping the cores busy)",
+        "of vLLM, off with the embedded engine (it decodes in this process, keeping the cores busy); "
+        "no effect with writer_process=false",
     )
     write_queue_max: int = Field(
         10_000, ge=1, description="uncommitted completions after which new requests wait for the store"

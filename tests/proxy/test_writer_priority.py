@@ -160,3 +160,24 @@ def test_unset_it_is_off_where_this_process_runs_the_engine(engine_backend, tmp_
     assert resolved(VLLMBackend("m", upstream="http://127.0.0.1:9")) is True
     assert resolved(engine_backend, writer_idle_priority=True) is True
     assert resolved(VLLMBackend("m", upstream="http://127.0.0.1:9"), writer_idle_priority=False) is False
+
+
+def test_it_is_off_with_the_thread_writer_and_says_so_when_asked(tmp_path, caplog) -> None:
+    """The thread writer runs in the serving process, whose priority it must not lower: unset it
+    resolves to off, and asked for explicitly it warns that it has no effect."""
+    from rlproxy.compose import build_app
+    from rlproxy.inference.vllm import VLLMBackend
+    from rlproxy.settings import Settings
+
+    def resolved(**fields) -> bool | None:
+        settings = Settings(
+            db_url=str(tmp_path / "x.db"), train=False, model="m", writer_process=False, **fields
+        )
+        return build_app(
+            settings, VLLMBackend("m", upstream="http://127.0.0.1:9")
+        ).state.proxy.settings.writer_idle_priority
+
+    assert resolved() is False
+    assert not [r for r in caplog.records if "writer_idle_priority" in r.getMessage()]
+    assert resolved(writer_idle_priority=True) is True
+    assert [r for r in caplog.records if "has no effect with writer_process=false" in r.getMessage()]
