@@ -147,7 +147,7 @@ def _sqlite_insert(dialect: Any) -> tuple[str, Any, int, int, list]:
         compiled = _INSERT_COMPLETIONS.compile(dialect=dialect, column_keys=[*COMPLETION_FIELDS, "seq"])
         fields = list(compiled.positiontup or ())  # qmark parameters: bound by position
         assert sorted(fields) == sorted([*COMPLETION_FIELDS, "seq"]), fields
-        processors = [COMPLETIONS.c[n].type._cached_bind_processor(dialect) for n in fields]
+        processors = [COMPLETIONS.c[n].type.dialect_impl(dialect).bind_processor(dialect) for n in fields]
         getter = operator.attrgetter(*[f for f in fields if f != "seq"])
         at_seq, at_created = fields.index("seq"), fields.index("created_at")
         made = _SQLITE_INSERT[id(dialect)] = (dialect, str(compiled), getter, at_seq, at_created, processors)
