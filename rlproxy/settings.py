@@ -251,7 +251,8 @@ class StoreSettings(BaseModel):
         description="run the writer process at the scheduler's idle priority (Linux SCHED_IDLE): a "
         "request never waits behind a batch's SQL for a core (tagged c=1 p99 ~5.4 -> ~3.6 ms on 2 "
         "cores, docs/performance.md). A writer that starves there (a trainer or an engine keeping "
-        "every core busy) is replaced by one at the normal priority within ~2 s. Unset: on in front "
+        "every core busy) goes to the normal priority within ~2 s, and back to idle a minute later "
+        "(longer each time it starves again). Unset: on in front "
         "of vLLM, off with the embedded engine (it decodes in this process, keeping the cores busy); "
         "no effect with writer_process=false",
     )

@@ -103,15 +103,18 @@ MAX_BACKOFF_S = 2.0
 PEER_GRACE_S = 1.0
 PEER_RETRY_S = 0.05
 REWARD_WAIT_S = 0.05  # a reward waits for the batch being gathered at most this long (module doc)
-# A writer process at idle priority (`idle_priority`) is replaced by one at the normal priority once
-# it starves: runnable but not running for STARVED_SHARE of the last STARVED_SPAN_S, with operations
-# waiting at every look (one each STARVE_CHECK_S). The kernel counts a wait when it ends, so a
-# starved process's count moves in bursts: the span is several looks long. Under bench/proxy.py's
-# loads it waits 10-30% of the time; under a busy loop on every core, most of it. Slow SQL (a locked
-# store) is not runnable time: its busy handler sleeps.
+# A writer process at idle priority (`idle_priority`) goes to the normal priority once it starves:
+# runnable but not running for STARVED_SHARE of the last STARVED_SPAN_S, with operations waiting at
+# every look (one each STARVE_CHECK_S). The kernel counts a wait when it ends, so a starved
+# process's count moves in bursts: the span is several looks long. Under bench/proxy.py's loads it
+# waits 10-30% of the time; under a busy loop on every core, most of it. Slow SQL (a locked store)
+# is not runnable time: its busy handler sleeps. It is put back at idle priority IDLE_AGAIN_S later
+# (doubled, up to IDLE_AGAIN_MAX_S, each time it starves again within IDLE_AGAIN_MAX_S of that).
 STARVE_CHECK_S = 0.5
 STARVED_SPAN_S = 2.0
 STARVED_SHARE = 0.5
+IDLE_AGAIN_S = 60.0
+IDLE_AGAIN_MAX_S = 3600.0
 
 
 class _Item:
@@ -203,10 +206,15 @@ class Writer:
         }
         self._child: WriterProcess | None = None
         self._spawned = 0  # writer processes started: from the second on, ops are sent "again"
-        self._watch: asyncio.TimerHandle | None = None  # `_watch_priority`, while at idle priority
+        self._idle_wanted = self.idle_priority  # the setting; `idle_priority` is the process's now
+        self._watch: asyncio.TimerHandle | None = None  # `_watch_priority`, while idle is wanted
         # (when, its run-queue seconds) at the looks since operations last found none waiting
         self._waited: collections.deque[tuple[float, float]] = collections.deque()
         self._demoting = False  # the writer process is being replaced at normal priority
+        self.idle_again_s = IDLE_AGAIN_S  # after its first starvation: back at idle priority this late
+        self._idle_after = 0.0  # ...and after the last one (doubled while it keeps starving)
+        self._idle_at: float | None = None  # when the normal priority ends (None: at idle priority)
+        self._idle_since = time.monotonic()  # when it last went (or started) at idle priority
         # a completion is sent within this (it is journaled): shorter than a batch's gathering
         self._item_wait = min(flush_interval, REWARD_WAIT_S) / 2
         self._ops: dict[int, _Op] = {}  # sent to the writer process, not settled yet (by key)
@@ -570,7 +578,7 @@ class Writer:
         self._spawned += 1
         self._waited.clear()
         self._demoting = False  # (a process that died before its kill was lost as a death)
-        if self._recipe["idle_priority"] and self._watch is None:
+        if self._idle_wanted and self._watch is None:
             self._watch = asyncio.get_running_loop().call_later(STARVE_CHECK_S, self._watch_priority)
         for op in list(self._ops.values()):
             wire = self._wire(op, again)
@@ -660,36 +668,62 @@ class Writer:
         self.last_error = stats[5]
 
     def _watch_priority(self) -> None:
-        """Every STARVE_CHECK_S while the writer process runs at idle priority: replace it with one
-        at the normal priority once it starves (see STARVED_SHARE). The idle priority keeps its SQL
-        from delaying requests on a busy core (docs/performance.md); where the cores are kept busy
-        (a trainer or an engine on them) it would get only their leftovers, and a process cannot
-        leave SCHED_IDLE by itself without CAP_SYS_NICE."""
+        """Every STARVE_CHECK_S while idle priority is wanted: at idle priority, move the writer
+        process to the normal one once it starves (see STARVED_SHARE); at the normal one, put it
+        back at idle priority when its time there is over (see IDLE_AGAIN_S).
+
+        The idle priority keeps its SQL from delaying requests on a busy core (docs/performance.md);
+        where the cores are kept busy (a trainer or an engine on them, a burst of load) it gets only
+        their leftovers. Lowering it is always allowed. Raising it from here needs CAP_SYS_NICE;
+        without that, the process is replaced by one started at the normal priority (over the kill -9
+        path: nothing lost, each row once)."""
         self._watch = None
-        if self._task is None or self._task.done() or not self._recipe["idle_priority"]:
+        if self._task is None or self._task.done() or not self._idle_wanted:
             return
         self._watch = asyncio.get_running_loop().call_later(STARVE_CHECK_S, self._watch_priority)
         child = self._child
-        waited = child.waited() if child is not None and child.connected and not self._demoting else None
+        if child is None or not child.connected or self._demoting:
+            self._waited.clear()
+            return
+        now = time.monotonic()
+        if self._idle_at is not None:  # at the normal priority since it starved
+            if now >= self._idle_at and child.set_idle(True):
+                log.info(
+                    "writer process: back at idle priority after %.0f s at the normal one",
+                    self._idle_after,
+                )
+                self._recipe["idle_priority"] = True
+                self._idle_at = None
+                self._idle_since = now
+            return
+        waited = child.waited()
         looks = self._waited
         if waited is None or not self._ops:
             looks.clear()
             return
-        now = time.monotonic()
         looks.append((now, waited))
         while len(looks) > 1 and now - looks[1][0] >= STARVED_SPAN_S:
             looks.popleft()
         span = now - looks[0][0]
         share = (waited - looks[0][1]) / span if span > 0 else 0.0
-        if span >= STARVED_SPAN_S and share >= STARVED_SHARE:
-            log.warning(
-                "writer process: starved at idle priority (runnable but not running %.0f%% of the last"
-                " %.1f s, %d operations waiting); replacing it with one at the normal priority",
-                100 * share,
-                span,
-                len(self._ops),
-            )
-            self._recipe["idle_priority"] = False
+        if span < STARVED_SPAN_S or share < STARVED_SHARE:
+            return
+        again = self._idle_after > 0 and now - self._idle_since < IDLE_AGAIN_MAX_S
+        self._idle_after = min(2 * self._idle_after, IDLE_AGAIN_MAX_S) if again else self.idle_again_s
+        self._idle_at = now + self._idle_after
+        self._recipe["idle_priority"] = False  # a process started from now on: the normal priority
+        looks.clear()
+        raised = child.set_idle(False)
+        log.warning(
+            "writer process: starved at idle priority (runnable but not running %.0f%% of the last"
+            " %.1f s, %d operations waiting); %s; idle priority again in %.0f s",
+            100 * share,
+            span,
+            len(self._ops),
+            "now at the normal priority" if raised else "replacing it with one at the normal priority",
+            self._idle_after,
+        )
+        if not raised:
             self._demoting = True
             child.kill()  # what it had not settled is sent again to the next one, as after a crash
 

@@ -207,6 +207,18 @@ class WriterProcess:
         except (OSError, ValueError, IndexError):
             return None
 
+    def set_idle(self, idle: bool) -> bool:
+        """Put the child at the scheduler's idle (True) or normal (False) priority from here; False
+        if refused. Lowering another process of the same user is always allowed; raising one out of
+        SCHED_IDLE takes CAP_SYS_NICE (or a RLIMIT_NICE that allows nice 0)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            os.sched_setscheduler(self.proc.pid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError):  # not Linux, refused, or the process just ended
+            return False
+        return True
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()

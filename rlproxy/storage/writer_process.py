@@ -121,8 +121,9 @@ def _idle_priority() -> None:
     client, the proxy itself) woken onto the core running a batch waited for the scheduler's wakeup
     granularity (~2 ms on 2 cores) behind this process's SQL. A SCHED_IDLE process yields at once, and
     its core counts as free when the scheduler places a woken task. The cost: it runs only on spare
-    CPU, and leaving SCHED_IDLE needs CAP_SYS_NICE: this process never leaves it; the proxy replaces
-    it with one at the normal priority if it starves (`Writer._watch_priority`).
+    CPU. If it starves, the proxy raises it to the normal priority for a while, or, without
+    CAP_SYS_NICE (which leaving SCHED_IDLE needs), replaces it with one started there
+    (`Writer._watch_priority`).
     """
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))

@@ -3,12 +3,12 @@
 Why it exists (docs/performance.md, the fourth and fifth passes): on 2 cores, a request's next
 process woken onto the core running the writer's batch waited behind it for the scheduler's wakeup
 granularity; at SCHED_IDLE the writer yields at once. Unset, it is on in front of an inference server
-of its own (vLLM, here a stub), and a writer that starves there is replaced by one at the normal
-priority (storage/writer.py, `_watch_priority`). Through a real proxy under uvicorn: the policy
+of its own (vLLM, here a stub), and a writer that starves there goes to the normal priority for a
+while (storage/writer.py, `_watch_priority`). Through a real proxy under uvicorn: the policy
 reaches the writer process and the one that replaces it after a kill -9; `false` leaves it at the
-normal policy; CPU hogs on every core get the writer replaced at the normal priority with nothing
-lost; a locked store (slow SQL, not starvation) keeps it idle; the store is written the same in
-every case.
+normal policy; CPU hogs on every core get the writer moved (or, where it cannot be raised,
+replaced) at the normal priority with nothing lost, and put back at idle priority afterwards; a
+locked store (slow SQL, not starvation) keeps it idle; the store is written the same in every case.
 """
 
 from __future__ import annotations
@@ -91,37 +91,100 @@ def test_the_writer_process_runs_at_normal_priority_when_turned_off(make_proxy, 
     assert _metric(proxy, "rlproxy_writer_idle_priority") == 0.0
 
 
-def test_a_starved_idle_writer_is_replaced_at_normal_priority(make_proxy, stub) -> None:
+def _can_raise() -> bool:
+    """Whether this user may move a process out of SCHED_IDLE (CAP_SYS_NICE, or RLIMIT_NICE)."""
+    probe = subprocess.Popen(["sleep", "30"])
+    try:
+        os.sched_setscheduler(probe.pid, os.SCHED_IDLE, os.sched_param(0))
+        try:
+            os.sched_setscheduler(probe.pid, os.SCHED_OTHER, os.sched_param(0))
+        except PermissionError:
+            return False
+        return True
+    finally:
+        probe.kill()
+        probe.wait()
+
+
+def _starve(proxy, then) -> int:
     """A busy loop on every core at the normal priority leaves a SCHED_IDLE writer next to nothing:
-    the proxy replaces it with one at the normal priority, which stores everything, each row once."""
-    proxy = make_proxy(stub.url)
-    _chat(proxy, "before")
-    proxy.flush()
-    first = proxy.state.writer._child.proc.pid
-    assert _policy(proxy) == os.SCHED_IDLE
+    requests keep coming until the proxy moves it to the normal priority; then `then()`, with the
+    busy loops still running. The number of requests sent."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     sent = 0
     try:
-        # requests keep coming: the writer needs more CPU than the hogs leave a SCHED_IDLE process
         deadline = time.monotonic() + 60
         with httpx.Client(base_url=proxy.url, timeout=30) as client:
-            while _pid(proxy) == first and time.monotonic() < deadline:
+            while proxy.state.writer.idle_priority and time.monotonic() < deadline:
                 headers = {"X-Run-Id": f"starved-{sent % 2}"}
                 assert client.post("/v1/chat/completions", json=BODY, headers=headers).status_code == 200
                 sent += 1
-        _next_child(proxy, first, timeout=10.0)
-        _reward(proxy, "starved")  # committed by the new one, with the hogs still running
-        assert _policy(proxy) == os.SCHED_OTHER
+        assert not proxy.state.writer.idle_priority, "the starved writer stayed at idle priority"
+        then()
     finally:
         for hog in hogs:
             hog.kill()
             hog.wait()
+    return sent
+
+
+def _idle_again(proxy, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not proxy.state.writer.idle_priority and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proxy.state.writer.idle_priority, "the writer never went back to idle priority"
+
+
+def _starved_then_idle_again(proxy, first: int, replaced: bool) -> None:
+    def committed_at_normal_priority() -> None:
+        if replaced:
+            _next_child(proxy, first, timeout=10.0)
+        assert _policy(proxy) == os.SCHED_OTHER
+        assert (_pid(proxy) != first) == replaced
+        assert _metric(proxy, "rlproxy_writer_idle_priority") == 0.0
+        _reward(proxy, "starved")  # committed at the normal priority, the busy loops still running
+
+    sent = _starve(proxy, committed_at_normal_priority)
+    _idle_again(proxy)  # the writer's quiet time at the normal priority is over (idle_again_s)
+    assert _policy(proxy) == os.SCHED_IDLE
+    assert _metric(proxy, "rlproxy_writer_idle_priority") == 1.0
+    _chat(proxy, "after")
     proxy.flush()
-    assert _metric(proxy, "rlproxy_writer_idle_priority") == 0.0
-    assert _metric(proxy, "rlproxy_writer_restarts_total") == 0.0  # replaced, not died
-    n = 4 + sent
+    assert _metric(proxy, "rlproxy_writer_restarts_total") == 0.0  # moved or replaced, never died
+    n = 4 + sent + 4
     assert proxy.query("SELECT count(*), count(DISTINCT capture_id) FROM completions") == [(n, n)]
     assert proxy.query("SELECT count(*) FROM runs WHERE reward = 1.0") == [(2,)]
+
+
+def test_a_starved_idle_writer_goes_to_normal_priority_and_back(make_proxy, stub) -> None:
+    """Starved, the writer process is moved to the normal priority (in place where this user may
+    raise it: root with CAP_SYS_NICE; else replaced), stores everything, each row once, and is put
+    back at idle priority once its time at the normal one is over."""
+    proxy = make_proxy(stub.url)
+    proxy.state.writer.idle_again_s = 2.0  # (60 s by default)
+    _chat(proxy, "before")
+    proxy.flush()
+    assert _policy(proxy) == os.SCHED_IDLE
+    _starved_then_idle_again(proxy, _pid(proxy), replaced=not _can_raise())
+
+
+def test_a_starved_writer_that_cannot_be_raised_is_replaced(make_proxy, stub, monkeypatch) -> None:
+    """Without CAP_SYS_NICE (as this test makes it) the proxy cannot raise the writer process out
+    of SCHED_IDLE: it replaces it with one started at the normal priority over the kill -9 path,
+    and lowers that one to idle priority later (which needs no privilege)."""
+    from rlproxy.storage.writer_link import WriterProcess
+
+    set_idle = WriterProcess.set_idle
+
+    def unprivileged(self, idle: bool) -> bool:
+        return set_idle(self, idle) if idle else False
+
+    monkeypatch.setattr(WriterProcess, "set_idle", unprivileged)
+    proxy = make_proxy(stub.url)
+    proxy.state.writer.idle_again_s = 2.0
+    _chat(proxy, "before")
+    proxy.flush()
+    _starved_then_idle_again(proxy, _pid(proxy), replaced=True)
 
 
 def test_a_locked_store_is_not_starvation(make_proxy, stub) -> None:
