@@ -255,9 +255,10 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
 
     api = create_app(state)
     # The hot routes are not here: `HotPath` (below) serves them before FastAPI sees the request,
-    #   POST /v1/chat/completions, POST /v1/completions, and both under /runs/{run_id}/v1/...
-    #   (routes_openai.complete: forward + capture).
-    api.include_router(routes_runs.router)  # rewards, runs, training steps, /healthz, /metrics
+    #   POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, all under
+    #   /runs/{run_id}/v1/... too (routes_openai.complete: forward + capture), and the rewards
+    #   (routes_runs.reward_route: POST .../reward and .../complete).
+    api.include_router(routes_runs.router)  # runs, training steps, /healthz, /metrics
     api.include_router(routes_untagged.router)  # untagged requests: listed, rewarded by reply id
     api.include_router(routes_models.router)  # GET /v1/models by name, never the server's paths
     api.include_router(dashboard.router)  # GET / and its scripts

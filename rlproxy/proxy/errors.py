@@ -93,15 +93,18 @@ def public_message(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def render(exc: APIError | RLProxyError) -> Response:
-    """The response for any exception we raise on purpose: its class says status, type and code."""
+def render(exc: APIError | RLProxyError, where: str = "a request") -> Response:
+    """The response for any exception we raise on purpose: its class says status, type and code.
+    A server-side failure is logged (`where`: the request, as "POST /v1/...")."""
     if isinstance(exc, APIError):
         return Response(orjson.dumps(exc.body()), status_code=exc.status, media_type=_JSON)
     if exc.status == 500:
-        return internal_error(exc, "a request")
+        return internal_error(exc, where)
     message = public_message(exc)
     if message != str(exc):
         logger.warning("%s (%d to the client: %s)", exc, exc.status, message)
+    elif exc.status > 500:
+        logger.warning("%s failed: %s", where, exc)
     response = error_response(exc.status, message, type=exc.type, code=exc.code)
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
@@ -126,9 +129,7 @@ def install(app: FastAPI) -> None:
 
     async def on_domain_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RLProxyError)
-        if exc.status > 500 and public_message(exc) == str(exc):  # else render() logs it
-            logger.warning("%s %s failed: %s", request.method, request.url.path, exc)
-        return render(exc)
+        return render(exc, f"{request.method} {request.url.path}")
 
     async def on_validation(request: Request, exc: Exception) -> Response:
         errors = exc.errors() if isinstance(exc, RequestValidationError) else []

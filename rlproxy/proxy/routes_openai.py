@@ -41,7 +41,18 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rlproxy.errors import APIError, BackendRedirect, RLProxyError
-from rlproxy.proxy import capture, errors, forward, hosted, messages, responses, runkey, server, validate
+from rlproxy.proxy import (
+    capture,
+    errors,
+    forward,
+    hosted,
+    messages,
+    responses,
+    routes_runs,
+    runkey,
+    server,
+    validate,
+)
 from rlproxy.proxy.stream import StreamRelay
 from rlproxy.storage.records import CompletionRecord, Endpoint
 
@@ -61,7 +72,7 @@ _UPSTREAM_PATHS[Endpoint.MESSAGES] = b"/v1/chat/completions"
 
 
 class HotPath:
-    """ASGI: serve the completion routes directly, hand everything else to `app` (FastAPI)."""
+    """ASGI: serve the completion and reward routes directly, hand everything else to `app` (FastAPI)."""
 
     def __init__(self, app, state) -> None:
         self.app = app
@@ -79,13 +90,17 @@ class HotPath:
             if tail is not None:
                 # a trailing slash names the same route: captured like it, never passed through
                 endpoint = ROUTES.get(tail) or (ROUTES.get(tail[:-1]) if tail[-1:] == "/" else None)
-            if endpoint is not None:
+            reward = None if endpoint is not None else routes_runs.reward_route(path)
+            if endpoint is not None or reward is not None:
                 try:
-                    response = await complete(self.state, scope, receive, endpoint, run_id)
+                    if endpoint is not None:
+                        response = await complete(self.state, scope, receive, endpoint, run_id)
+                    else:
+                        response = await routes_runs.post_reward(self.state, scope, receive, *reward)
                 except validate.ClientGone:
                     return
                 except (APIError, RLProxyError) as exc:
-                    response = errors.render(exc)
+                    response = errors.render(exc, f"POST {path}")
                 except Exception as exc:  # never let a bug take the connection down without an answer
                     response = errors.internal_error(exc, f"POST {path}")
                 await response(scope, receive, send)

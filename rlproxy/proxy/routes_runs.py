@@ -111,40 +111,45 @@ def parse_complete(body: dict) -> tuple[str | None, dict | None]:
     return rubric, metadata
 
 
-@router.post("/v1/runs/{run_id}/complete")
-async def post_complete(request: Request, run_id: str) -> Response:
-    """End a run without a reward: the judge scores it with its group (README: Judge rewards)."""
-    return await _reward(request, runkey.check_id(run_id), judge=True)
+# The reward routes are served by `routes_openai.HotPath` before FastAPI sees the request (a
+# reward per run is on the hot path's scale: FastAPI's routing and middleware were ~4/5 of its CPU):
+#   POST /v1/runs/{run_id}/reward            POST /v1/runs/{run_id}/complete
+#   POST /runs/{run_id}/v1/reward            POST /runs/{run_id}/v1/complete
+#   POST /runs/{run_id}/v1/runs/{named}/reward and .../complete (the ids must agree, else 400)
+_ACTIONS = {"reward": False, "complete": True}  # the path's last segment -> a judge request?
 
 
-@router.post("/runs/{run_id}/v1/complete")
-async def post_path_complete(request: Request, run_id: str) -> Response:
-    """ "This run" completed for the judge, for apps whose base URL is `/runs/{run_id}/v1`."""
-    return await _reward(request, runkey.check_id(run_id), judge=True)
+def reward_route(path: str) -> tuple[str, str | None, str] | None:
+    """(run_id, named or None, action) when `path` is a reward or complete route, else None.
+
+    Matches what FastAPI's `{run_id}` did: one non-empty segment each, no trailing slash (any other
+    path under /v1 is the pass-through's)."""
+    parts = path.split("/")
+    n = len(parts)
+    if n == 5 and parts[1] == "v1" and parts[2] == "runs":
+        run_id, named, action = parts[3], None, parts[4]
+    elif n == 5 and parts[1] == "runs" and parts[3] == "v1":
+        run_id, named, action = parts[2], None, parts[4]
+    elif n == 7 and parts[1] == "runs" and parts[3] == "v1" and parts[4] == "runs":
+        run_id, named, action = parts[2], parts[5], parts[6]
+    else:
+        return None
+    if action not in _ACTIONS or not run_id or named == "" or parts[0]:
+        return None
+    return run_id, named, action
 
 
-@router.post("/runs/{run_id}/v1/runs/{named}/complete")
-async def post_path_named_complete(request: Request, run_id: str, named: str) -> Response:
-    """`$OPENAI_BASE_URL/runs/{id}/complete` under a path-form base URL: the ids must agree (else 400)."""
-    return await _reward(request, _same_run(run_id, named, "complete"), judge=True)
-
-
-@router.post("/v1/runs/{run_id}/reward")
-async def post_reward(request: Request, run_id: str) -> Response:
-    """Store the reward of a finished run."""
-    return await _reward(request, runkey.check_id(run_id))
-
-
-@router.post("/runs/{run_id}/v1/reward")
-async def post_path_reward(request: Request, run_id: str) -> Response:
-    """The reward of "this run" for apps whose base URL is `/runs/{run_id}/v1`: `$OPENAI_BASE_URL/reward`."""
-    return await _reward(request, runkey.check_id(run_id))
-
-
-@router.post("/runs/{run_id}/v1/runs/{named}/reward")
-async def post_path_named_reward(request: Request, run_id: str, named: str) -> Response:
-    """`$OPENAI_BASE_URL/runs/{id}/reward` under a path-form base URL: the ids must agree (else 400)."""
-    return await _reward(request, _same_run(run_id, named, "reward"))
+async def post_reward(px, scope, receive, run_id: str, named: str | None, action: str) -> Response:
+    """A reward (or a judge request: `action` "complete") for a run (the module doc)."""
+    if named is None:
+        runkey.check_id(run_id)
+    else:
+        _same_run(run_id, named, action)
+    declared = None
+    for k, v in scope["headers"]:
+        if k == b"content-length":
+            declared = v
+    return await _reward(px, receive, declared, run_id, judge=_ACTIONS[action])
 
 
 def _same_run(run_id: str, named: str, action: str) -> str:
@@ -161,13 +166,9 @@ def _same_run(run_id: str, named: str, action: str) -> str:
     return run_id
 
 
-async def _reward(request: Request, run_id: str, judge: bool = False) -> Response:
-    px = request.app.state.proxy
+async def _reward(px, receive, declared: bytes | None, run_id: str, judge: bool = False) -> Response:
+    raw = await validate.read_body(receive, declared, px.settings.max_body_bytes)
     # orjson rejects NaN/Infinity literals as invalid JSON; accept them so they get the 422 they deserve
-    declared = request.headers.get("content-length")
-    raw = await validate.read_body(
-        request.receive, declared.encode() if declared else None, px.settings.max_body_bytes
-    )
     body = (
         {}
         if judge and not raw.strip()

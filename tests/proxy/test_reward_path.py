@@ -76,3 +76,60 @@ def test_path_form_reward_body_limit(make_proxy, stub):
     big = {"reward": 1.0, "metadata": {"pad": "x" * 4096}}
     for path in ("/runs/ep-1/v1/reward", "/runs/ep-1/v1/runs/ep-1/reward"):
         assert httpx.post(proxy.url + path, json=big).status_code == 413
+
+
+# The paths the reward routes had as FastAPI routes (before HotPath served them, issue 24): the
+# matcher must take exactly what Starlette's router took, and leave every other path to FastAPI.
+OLD_ROUTES = [
+    ("/v1/runs/{run_id}/complete", "complete"),
+    ("/runs/{run_id}/v1/complete", "complete"),
+    ("/runs/{run_id}/v1/runs/{named}/complete", "complete"),
+    ("/v1/runs/{run_id}/reward", "reward"),
+    ("/runs/{run_id}/v1/reward", "reward"),
+    ("/runs/{run_id}/v1/runs/{named}/reward", "reward"),
+]
+PATHS = [
+    "/v1/runs/a/reward",
+    "/v1/runs/a/complete",
+    "/runs/a/v1/reward",
+    "/runs/a/v1/complete",
+    "/runs/a/v1/runs/b/reward",
+    "/runs/a/v1/runs/a/complete",
+    "/v1/runs/a/reward/",
+    "/v1/runs//reward",
+    "/runs//v1/reward",
+    "/runs/a/v1/runs//reward",
+    "/v1/runs/a/b/reward",
+    "/v1/runs/a/rewards",
+    "/v1/runs/a",
+    "/v1/runs/reward",
+    "/runs/a/v2/reward",
+    "/runs/v1/v1/reward",
+    "/v1/runs/v1/reward",
+    "/runs/a/v1/runs/b/c/reward",
+    "/runs/a/v1/chat/completions",
+    "/v1/chat/completions",
+    "//v1/runs/a/reward",
+    "/v1/runs/a b/reward",
+    "/v1/runs/é/complete",
+]
+
+
+def test_the_reward_routes_match_what_fastapi_matched() -> None:
+    from starlette.routing import Match, Route
+
+    from rlproxy.proxy.routes_runs import reward_route
+
+    async def endpoint(request):  # pragma: no cover - never called
+        return None
+
+    routes = [(Route(path, endpoint, methods=["POST"]), action) for path, action in OLD_ROUTES]
+    for path in PATHS:
+        want = None
+        for route, action in routes:
+            match, child = route.matches({"type": "http", "path": path, "method": "POST", "root_path": ""})
+            if match == Match.FULL:
+                params = child["path_params"]
+                want = (params["run_id"], params.get("named"), action)
+                break
+        assert reward_route(path) == want, path
