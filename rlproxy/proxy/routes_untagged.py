@@ -80,4 +80,5 @@ async def post_reply_reward(request: Request, reply_id: str) -> Response:
                 param="reply_id",
                 code="reply_in_run",
             )
-    return await routes_runs._reward(request, reply_id)
+    declared = request.headers.get("content-length")
+    return await routes_runs._reward(px, request.receive, declared.encode() if declared else None, reply_id)

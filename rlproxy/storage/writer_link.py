@@ -213,8 +213,18 @@ class WriterProcess:
         SCHED_IDLE takes CAP_SYS_NICE (or a RLIMIT_NICE that allows nice 0)."""
         if self.proc is None or self.proc.poll() is not None:
             return False
+        pid = self.proc.pid
+        try:  # every thread: the policy is a thread's (today the child has one; a driver may add some)
+            threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        except (OSError, ValueError):
+            threads = [pid]
         try:
-            os.sched_setscheduler(self.proc.pid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+            policy, param = (os.SCHED_IDLE if idle else os.SCHED_OTHER), os.sched_param(0)
+            for tid in threads:
+                try:
+                    os.sched_setscheduler(tid, policy, param)
+                except ProcessLookupError:  # a thread that just ended
+                    continue
         except (AttributeError, OSError):  # not Linux, refused, or the process just ended
             return False
         return True

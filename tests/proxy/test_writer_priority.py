@@ -42,7 +42,10 @@ def _reward(proxy, prefix: str) -> None:
 
 
 def _policy(proxy) -> int:
-    return os.sched_getscheduler(proxy.state.writer._child.proc.pid)
+    """The writer process's policy, the same on each of its threads."""
+    pid = proxy.state.writer._child.proc.pid
+    (policy,) = {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+    return policy
 
 
 def _metric(proxy, name: str) -> float:
