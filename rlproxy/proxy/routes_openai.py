@@ -160,7 +160,6 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         run_id=run_id,
         group_id=group_id,
         split=split,
-        default_group=runkey.default_group(policy, body) if run_id is not None and group_id is None else None,
         policy=policy,
         adapter=upstream_model,
         policy_step=step,

@@ -9,12 +9,12 @@ the first user message), so runs that start from the same task land in one group
 
 from __future__ import annotations
 
-import hashlib
 import re
 
-import orjson
-
 from rlproxy.errors import APIError
+from rlproxy.storage.records import default_group
+
+__all__ = ["check_id", "check_split", "default_group"]
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -44,19 +44,3 @@ def check_split(value: str) -> str:
             code="invalid_split",
         )
     return value
-
-
-def default_group(policy: str | None, body: dict) -> str:
-    """Hash of (policy, tools, messages up to the first user message) — or the prompt for completions."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        head = []
-        for m in messages:
-            head.append(m)
-            if isinstance(m, dict) and m.get("role") == "user":
-                break
-        key = [policy, body.get("tools"), head]
-    else:
-        key = [policy, None, body.get("prompt")]
-    digest = hashlib.sha256(orjson.dumps(key, option=orjson.OPT_SORT_KEYS)).hexdigest()
-    return f"g-{digest[:16]}"

@@ -7,11 +7,14 @@ rows (it assigns `seq` and creates the run). Field names match the `completions`
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
+
+import orjson
 
 
 class Endpoint(StrEnum):
@@ -29,7 +32,7 @@ class CompletionRecord:
 
     run_id: str | None  # X-Run-Id; None = not part of a run (stored, never trained)
     group_id: str | None = None  # explicit X-Group-Id (wins over default_group)
-    default_group: str | None = None  # the proxy's hash; used only when the run is new
+    default_group: str | None = None  # used only when the run is new; None: `default_group(...)`
     split: str | None = None  # X-Split: train or val (runs.split); used only when the run is new
     policy: str | None = None  # policy the request named
     adapter: str | None = None  # model the upstream served: base name or policy@step
@@ -135,3 +138,21 @@ def storable(rec: CompletionRecord, reason: str) -> CompletionRecord:
     note = f"stored sanitized: {reason}"
     changes["error"] = f"{changes.get('error')}; {note}" if changes.get("error") else note
     return dataclasses.replace(rec, **changes)
+
+
+def default_group(policy: str | None, body: dict) -> str:
+    """A run's group when no X-Group-Id names one: a hash of (policy, tools, messages up to the first
+    user message), or of the prompt for completions. The writer takes it from the run's first stored
+    completion when it creates the run (`rows.ensure_runs`): once a run, off the serving path."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        head = []
+        for m in messages:
+            head.append(m)
+            if isinstance(m, dict) and m.get("role") == "user":
+                break
+        key = [policy, body.get("tools"), head]
+    else:
+        key = [policy, None, body.get("prompt")]
+    digest = hashlib.sha256(orjson.dumps(key, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return f"g-{digest[:16]}"

@@ -8,18 +8,19 @@ processes (replicas on one PostgreSQL) number a run's completions gapless (`ensu
 
 from __future__ import annotations
 
+import collections
 import operator
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, select, update
+from sqlalchemy import JSON, DateTime, bindparam, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from rlproxy.storage.errors import RewardConflict, RubricConflict, RunNotFound, SplitConflict
 from rlproxy.storage.models import Completion, Run, RunStatus
-from rlproxy.storage.records import COMPLETION_FIELDS, CompletionRecord
+from rlproxy.storage.records import COMPLETION_FIELDS, CompletionRecord, default_group
 
 RUNS = Run.__table__
 COMPLETIONS = Completion.__table__
@@ -52,7 +53,7 @@ async def ensure_runs(conn: AsyncConnection, records: list[CompletionRecord]) ->
     rows = [
         {
             "id": rid,
-            "group_id": rec.group_id or rec.default_group,
+            "group_id": rec.group_id or rec.default_group or _default_group(rec),
             "split": rec.split or "train",  # fixed by the run's first request (storage/validation.py)
             "policy": rec.policy,
             "status": RunStatus.open.value,
@@ -73,6 +74,12 @@ async def ensure_runs(conn: AsyncConnection, records: list[CompletionRecord]) ->
         ).returning(RUNS.c.id, RUNS.c.next_seq)
     result = await conn.execute(stmt, rows)
     return {rid: int(nxt) - count[rid] for rid, nxt in result.all()}
+
+
+def _default_group(rec: CompletionRecord) -> str | None:
+    """The group of a run its first completion names none for (`records.default_group`); hashed
+    here, once a run per batch, rather than on every tagged request in the serving process."""
+    return default_group(rec.policy, rec.request) if isinstance(rec.request, dict) else None
 
 
 _UPSERT_RUNS: dict[str, Any] = {}
@@ -105,18 +112,16 @@ async def insert_completions(
             seqs.append(None)
     if not records:
         return 0
-    if conn.dialect.name == "sqlite":  # the default store: SQLAlchemy's own value processing, once
-        sql, values_of, at_seq, at_created, processors = _sqlite_insert(conn.dialect)
+    if conn.dialect.name == "sqlite":  # the default store: the values bound as SQLAlchemy binds them
+        lite, values_of, at_seq, at_created = _sqlite_insert(conn.dialect)
         rows = []
         for rec, seq in zip(records, seqs, strict=True):
             values = list(values_of(rec))
             values.insert(at_seq, seq)
             if rec.created_at is None:
                 values[at_created] = now
-            rows.append(
-                tuple(v if p is None or v is None else p(v) for p, v in zip(processors, values, strict=True))
-            )
-        await conn.exec_driver_sql(sql, rows)
+            rows.append(lite.bind(values))
+        await conn.exec_driver_sql(lite.sql, rows)
         return len(rows)
     rows = []
     for rec, seq in zip(records, seqs, strict=True):
@@ -128,30 +133,108 @@ async def insert_completions(
     return len(rows)
 
 
-_SQLITE_INSERT: dict[int, tuple[Any, str, Any, int, int, list]] = {}  # id(dialect) -> (dialect, ...)
+class _Lite:
+    """A statement compiled once for SQLite's driver and run on it directly (`InlineConnection.driver`):
+    its SQL, its parameters' names in order, how SQLAlchemy would bind each non-NULL value
+    (`convert`: (position, function), for the values it processes: JSON text, a DATETIME string, a
+    bool's 0/1) and process each result column (`load`).
 
-
-def _sqlite_insert(dialect: Any) -> tuple[str, Any, int, int, list]:
-    """The completions INSERT for SQLite's driver: its SQL, a getter of a record's values in the
-    statement's order (`seq` left out), where `seq` and `created_at` go, and each value's bind
-    processor (None: as is), all of `dialect` (its JSON serializer).
-
-    The same SQL and the same column values as `conn.execute(_INSERT_COMPLETIONS, rows)`, without
-    SQLAlchemy's per-row parameter handling, which was a quarter of the writer process's CPU under
-    tagged traffic (issue 24; tests/storage/test_rows_sqlite.py compares the rows byte for byte).
-    A processor maps a non-NULL value (JSON text, a DATETIME string, a bool's 0/1); NULL stays NULL,
-    as SQLAlchemy's processors (JSON with none_as_null) keep it.
+    Why: SQLAlchemy's execution context costs ~45 us a statement in Python, several times SQLite's own
+    work for a one-row statement (issue 24: a reward's two statements were ~0.1 ms of the writer
+    process's CPU; the completions' per-row parameter handling a quarter of it). The SQL and the
+    values are SQLAlchemy's own: tests/storage/test_rows_sqlite.py compares the rows byte for byte.
     """
-    made = _SQLITE_INSERT.get(id(dialect))
+
+    def __init__(self, stmt: Any, dialect: Any, keys: list[str] | None = None) -> None:
+        compiled = stmt.compile(dialect=dialect, column_keys=keys)
+        self.sql = str(compiled)
+        self.names = list(compiled.positiontup or ())  # qmark parameters: bound by position
+        self.convert = []
+        for i, name in enumerate(self.names):
+            impl = compiled.binds[name].type.dialect_impl(dialect)
+            processor = impl.bind_processor(dialect)
+            if processor is not None:
+                self.convert.append((i, _fast(impl, processor, dialect)))
+        columns = getattr(stmt, "selected_columns", ())
+        self.load = [
+            (i, p)
+            for i, c in enumerate(columns)
+            if (p := c.type.dialect_impl(dialect).result_processor(dialect, None))
+        ]
+
+    def bind(self, values: list) -> tuple:
+        """`values` (in `names` order) as the driver takes them."""
+        for i, to_sql in self.convert:
+            v = values[i]
+            if v is not None:
+                values[i] = to_sql(v)
+        return tuple(values)
+
+    def run(self, conn: Any, params: dict[str, Any]) -> Any:
+        """Execute with `params` by name on `conn`'s driver connection; the first row (processed), or None."""
+        row = conn.driver(self.sql, self.bind([params[n] for n in self.names])).fetchone()
+        if row is None or not self.load:
+            return row
+        row = list(row)
+        for i, load in self.load:
+            row[i] = load(row[i])
+        return row
+
+
+_LITE: dict[tuple[int, str], tuple[Any, Any]] = {}  # (id(dialect), what) -> (dialect, made)
+
+
+def _lite(dialect: Any, what: str, make: Any) -> Any:
+    """`make(dialect)` once per dialect (SQLite's: its JSON serializer is the engine's)."""
+    made = _LITE.get((id(dialect), what))
     if made is None or made[0] is not dialect:
-        compiled = _INSERT_COMPLETIONS.compile(dialect=dialect, column_keys=[*COMPLETION_FIELDS, "seq"])
-        fields = list(compiled.positiontup or ())  # qmark parameters: bound by position
+        made = _LITE[(id(dialect), what)] = (dialect, make(dialect))
+    return made[1]
+
+
+def _sqlite_insert(dialect: Any) -> tuple[_Lite, Any, int, int]:
+    """The completions INSERT for SQLite's driver (`_Lite`), a getter of a record's values in the
+    statement's order (`seq` left out), and where `seq` and `created_at` go."""
+
+    def make(dialect: Any) -> tuple[_Lite, Any, int, int]:
+        lite = _Lite(_INSERT_COMPLETIONS, dialect, [*COMPLETION_FIELDS, "seq"])
+        fields = lite.names
         assert sorted(fields) == sorted([*COMPLETION_FIELDS, "seq"]), fields
-        processors = [COMPLETIONS.c[n].type.dialect_impl(dialect).bind_processor(dialect) for n in fields]
         getter = operator.attrgetter(*[f for f in fields if f != "seq"])
-        at_seq, at_created = fields.index("seq"), fields.index("created_at")
-        made = _SQLITE_INSERT[id(dialect)] = (dialect, str(compiled), getter, at_seq, at_created, processors)
-    return made[1:]
+        return lite, getter, fields.index("seq"), fields.index("created_at")
+
+    return _lite(dialect, "insert", make)
+
+
+_SAMPLES = {  # what `_fast` must turn into exactly what SQLAlchemy's processor makes of it
+    "json": ({"a": [1, 2.5, None, True, 'é \u2028 "q"'], "b": {}}, [[-0.5, float("-inf")]], "s", 3),
+    "datetime": (
+        datetime(2026, 12, 6, 5, 0, 0, 123456, tzinfo=UTC),
+        datetime(2026, 12, 6, 5, 0, 0, tzinfo=UTC),
+        datetime(999, 1, 2, 3, 4, 5, 6),
+    ),
+}
+
+
+def _fast(impl: Any, processor: Any, dialect: Any) -> Any:
+    """`processor` (a column's bind processor), or a cheaper function that gives the same text for
+    every value the records hold: a JSON column's serializer alone, a DATETIME's `isoformat` (a
+    date, or anything else, still goes to `processor`). Used only if it agrees on `_SAMPLES`."""
+    fast = None
+    kind = None
+    if isinstance(impl, JSON) and dialect._json_serializer is not None:
+        fast, kind = dialect._json_serializer, "json"
+    elif isinstance(impl, DateTime):
+
+        def fast(value: Any) -> Any:
+            if type(value) is datetime:
+                return value.isoformat(" ", "microseconds")[:26]  # the zone dropped, as SQLAlchemy does
+            return processor(value)
+
+        kind = "datetime"
+    if fast is None or any(fast(v) != processor(v) for v in _SAMPLES[kind]):
+        return processor
+    return fast
 
 
 async def apply_reward(
@@ -171,7 +254,12 @@ async def apply_reward(
     `split` "val" (the reward body's) makes the run a validation run, as `X-Split: val` on its first
     request did: it becomes `validated`, never `completed` (storage/validation.py); None keeps its split.
     """
-    row = (await conn.execute(_REWARD_READ, {"run": run_id})).first()
+    fast = hasattr(conn, "driver") and conn.dialect.name == "sqlite"  # the writer's own SQLite connection
+    if fast:
+        row = _lite(conn.dialect, "reward_read", lambda d: _Lite(_REWARD_READ, d)).run(conn, {"run": run_id})
+        row = None if row is None else _RewardRow(*row)
+    else:
+        row = (await conn.execute(_REWARD_READ, {"run": run_id})).first()
     if row is None:
         return RunNotFound(run_id)
     judged = row.reward_source == "judge"
@@ -212,7 +300,12 @@ async def apply_reward(
     }
     if reward is None:
         values["judge_rubric"] = rubric
-    await conn.execute(_REWARD_WRITE, values)
+    if fast:
+        keys = sorted(k for k in values if k != "run")
+        what = "reward_write:" + ",".join(keys)
+        _lite(conn.dialect, what, lambda d: _Lite(_REWARD_WRITE, d, keys)).run(conn, values)
+    else:
+        await conn.execute(_REWARD_WRITE, values)
     return True
 
 
@@ -234,6 +327,7 @@ _REWARD_READ = (
     .with_for_update(key_share=True)
 )
 _REWARD_WRITE = update(RUNS).where(RUNS.c.id == bindparam("run"))
+_RewardRow = collections.namedtuple("_RewardRow", [c.name for c in _REWARD_READ.selected_columns])
 
 
 async def _other_rubric(

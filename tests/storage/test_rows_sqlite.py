@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rlproxy.storage import db
 from rlproxy.storage.records import COMPLETION_FIELDS, CompletionRecord
-from rlproxy.storage.rows import _INSERT_COMPLETIONS, ensure_runs, insert_completions
+from rlproxy.storage.rows import _INSERT_COMPLETIONS, apply_reward, ensure_runs, insert_completions
 
 NOW = datetime(2026, 12, 6, 5, 0, 0, 123456, tzinfo=UTC)
 
@@ -130,3 +130,112 @@ def test_the_sqlite_insert_stores_what_sqlalchemy_stores(tmp_path: Path) -> None
         "2026-12-06 05:00:00.123456",
     )
     con.close()
+
+
+class _NoDriver:
+    """The writer's connection without `driver`: `apply_reward` takes SQLAlchemy's path."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.dialect = conn.dialect
+
+    async def execute(self, *args):
+        return await self.conn.execute(*args)
+
+
+async def _rewards(path: Path, fast: bool) -> list:
+    url = f"sqlite:///{path}"
+    await db.upgrade_async(url)
+    engine = db.create_engine(url)
+    conn = await db.connect_write(db.writer_engine(engine))
+    assert hasattr(conn, "driver")  # the writer's SQLite connection: the driver's path is taken
+    outcomes = []
+    try:
+        async with conn.begin():
+            recs = records()
+            recs[3].request = {"messages": [{"role": "user", "content": "x"}]}
+            recs += [
+                CompletionRecord(run_id=f"r-{i}", policy="p", group_id="g", capture_id=f"x-{i}")
+                for i in (3, 4, 5, 6)
+            ]
+            for r in recs:  # the runs' created_at from the records: both files alike
+                r.created_at = r.created_at or NOW
+            first = await ensure_runs(conn, recs)
+            await insert_completions(conn, recs, first, NOW)
+        calls = [
+            ("r-1", 0.5, {"acc": 1.0, "why": "é \u2028"}, {"k": [1, None]}, None, None),
+            ("r-1", 0.5, None, None, None, None),  # the same again: False
+            ("r-1", 0.75, None, None, None, None),  # another number: a conflict
+            ("r-2", None, None, None, "rubric ☃", None),  # the judge's, with a rubric
+            ("r-2", None, None, None, "rubric ☃", None),  # asked again: False
+            ("r-3", 1e-7, {}, None, None, "val"),  # a validation run
+            ("r-4", None, None, None, "one", None),  # the judge's for group g
+            ("r-5", None, None, None, "two", None),  # another rubric in group g: a conflict
+            ("r-6", -2.0, None, {"deep": {"a": [{"b": None}]}}, None, "train"),
+            ("r-4", 0.9, None, None, None, None),  # the app's number, after the judge scored the run
+            ("r-4", 0.1, None, None, None, None),  # another number: a conflict
+            ("nope", 1.0, None, None, None, None),  # no such run
+        ]
+        for run_id, reward, metrics, metadata, rubric, split in calls:
+            if (run_id, reward) == ("r-4", 0.9):  # what a judge=always scoring leaves (trainer/judge.py)
+                async with conn.begin():
+                    await conn.exec_driver_sql(
+                        "UPDATE runs SET reward = 0.25, metrics = '{\"app_reward\": 0.9}' WHERE id = 'r-4'"
+                    )
+            async with conn.begin():
+                used = conn if fast else _NoDriver(conn)
+                out = await apply_reward(used, run_id, reward, metrics, metadata, NOW, rubric, split)
+            outcomes.append(out if isinstance(out, bool) else (type(out).__name__, str(out)))
+    finally:
+        await conn.close()
+        await engine.dispose()
+    return outcomes
+
+
+def _runs(path: Path) -> list[tuple]:
+    con = sqlite3.connect(path)
+    try:
+        cols = [r[1] for r in con.execute("PRAGMA table_info(runs)")]
+        select = ", ".join(f"{c}, typeof({c})" for c in cols)
+        return con.execute(f"SELECT {select} FROM runs ORDER BY id").fetchall()
+    finally:
+        con.close()
+
+
+def test_a_reward_on_sqlites_driver_stores_what_sqlalchemy_stores(tmp_path: Path) -> None:
+    """`apply_reward` on the writer's SQLite connection runs its two statements on the driver itself
+    (`rows._Lite`): the same outcomes, and the runs table the same byte for byte, as through SQLAlchemy."""
+    fast = asyncio.run(_rewards(tmp_path / "fast.db", fast=True))
+    reference = asyncio.run(_rewards(tmp_path / "reference.db", fast=False))
+    assert fast == reference
+    assert fast[:3] == [True, False, ("RewardConflict", fast[2][1])]
+    assert fast[-1][0] == "RunNotFound"
+    assert fast[3:8] == [True, False, True, True, ("RubricConflict", fast[7][1])]
+    assert fast[8] is True
+    assert fast[9:11] == [False, ("RewardConflict", fast[10][1])]
+    assert _runs(tmp_path / "fast.db") == _runs(tmp_path / "reference.db")
+    con = sqlite3.connect(tmp_path / "fast.db")
+    assert con.execute(
+        "SELECT reward, status, metrics, completed_at FROM runs WHERE id = 'r-1'"
+    ).fetchone() == (
+        0.5,
+        "completed",
+        '{"acc":1.0,"why":"é \u2028"}',
+        "2026-12-06 05:00:00.123456",
+    )
+    con.close()
+
+
+def test_the_sqlite_binds_skip_the_processors_wrappers() -> None:
+    """JSON values go to the engine's serializer itself and datetimes to `isoformat` (what keeps
+    the rows cheap); each was checked against SQLAlchemy's processor on `rows._SAMPLES`."""
+    from rlproxy.storage import rows
+
+    engine = db.create_engine("sqlite:///:memory:")
+    lite = rows._sqlite_insert(engine.dialect)[0]
+    convert = {lite.names[i]: f for i, f in lite.convert}
+    assert convert["request"] is engine.dialect._json_serializer
+    assert convert["logprobs"] is engine.dialect._json_serializer
+    at = NOW.astimezone(timezone(timedelta(hours=-7)))
+    assert convert["created_at"](at) == "2026-12-05 22:00:00.123456"  # the zone's fields, as SQLAlchemy
+    assert convert["created_at"](datetime(2026, 1, 2).date()) == "2026-01-02 00:00:00.000000"
