@@ -17,7 +17,9 @@ trainer poll (`--poller`, the `+poll` cases) is the storage poll query at the tr
 `ungroup_runs` + `ready_groups` every `poll_interval` (1 s) in its own process on the same file,
 what `TrainerService._select` reads when no step is ready (no torch, no step: the proxy's side of
 a trainer sharing its store). The event loop's lag is the proxy's own histogram
-`rlproxy_event_loop_lag_seconds` (/metrics), read before and after each proxy slice.
+`rlproxy_event_loop_lag_seconds` (/metrics), read before and after each proxy slice; next to it,
+how long the serving thread waited for a core while runnable (`/proc/<pid>/schedstat`): a lag the
+box's scheduler made (wrk, the stub and the writer share the cores), not the proxy's code.
 
     1. delay 0, concurrency 1, non-streaming, untagged and tagged: latency added by the proxy at p50
        and p99 (goal, tagged: p50 <= 0.3 ms, p99 <= 2 ms) and loop lag p99 (goal <= 1 ms).
@@ -407,6 +409,16 @@ class Proxy:
         """CPU seconds of `rlproxy serve` and its writer process (storage/writer_link.py), together."""
         return self.serving_cpu() + self.writer_cpu()
 
+    def waited(self) -> float:
+        """Seconds the serving thread has spent runnable but not running (its run-queue wait, from
+        /proc/<pid>/schedstat; 0 where there is none): time the box's scheduler gave its core to
+        another process (wrk, the stub, the writer), which no change to the proxy's code removes."""
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/schedstat") as f:
+                return int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
     def serving_cpu(self) -> float:
         t = self.ps.cpu_times()
         return t.user + t.system
@@ -753,7 +765,7 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
             # alternate direct and proxy slices so that background load hits both alike
             run_id = f"bench-{i}"
             ds, ps, fs = [], [], []
-            forwarded, cpu, wcpu, fcpu = 0, 0.0, 0.0, 0.0
+            forwarded, cpu, wcpu, fcpu, waited, span = 0, 0.0, 0.0, 0.0, 0.0, 0.0
             lag = {}
             poller = Poller(db_path, args.poll_interval) if poll else None
             rewarder.watch(run_id if tagged else None)
@@ -776,6 +788,7 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
                     fcpu += floor.cpu() - before_fcpu
                 before_stub, before_lag = stub_count(stub_url), loop_lag(proxy.url)
                 before_cpu, before_wcpu = proxy.cpu(), proxy.writer_cpu()
+                before_wait, before_t = proxy.waited(), time.monotonic()
                 slice_id = (
                     f"{run_id}-{r}" if tagged else run_id
                 )  # fresh runs per slice: a run is never reopened
@@ -797,6 +810,8 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
                 forwarded += settled(stub_url, before_stub, quiet_s=0.3)
                 cpu += proxy.cpu() - before_cpu
                 wcpu += proxy.writer_cpu() - before_wcpu
+                waited += proxy.waited() - before_wait
+                span += time.monotonic() - before_t
                 after_lag = loop_lag(proxy.url)
                 for le, n in after_lag.items():  # only the proxy slices' samples
                     lag[le] = lag.get(le, 0.0) + n - before_lag.get(le, 0.0)
@@ -823,7 +838,8 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
                 )
             print(
                 f"  event-loop lag: p50 <= {lag50:g} ms, p99 <= {lag99:g} ms"
-                f" (bucket bounds; {lag.get(float('inf'), 0):.0f} samples)"
+                f" (bucket bounds; {lag.get(float('inf'), 0):.0f} samples); the serving thread waited"
+                f" for a core {waited / max(span, 1e-9) * 1000:.1f} ms per s (run queue)"
             )
             if conns == 1:
                 add50, add99 = p["p50_ms"] - d["p50_ms"], p["p99_ms"] - d["p99_ms"]
