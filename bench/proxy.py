@@ -36,11 +36,16 @@ box's scheduler made (wrk, the stub and the writer share the cores), not the pro
        upstream client, nothing checked or captured) in the same alternating slices, so what rlproxy's
        own work adds is read off this machine, not against absolute goals set on another.
 
+`--pin` gives the serving process (and the floor) a core of its own and puts wrk, the stub, the
+writer process and this process on the others: the layout of a deployment, where the app and the
+model server run elsewhere. Unpinned, all of them share the cores, as on a laptop.
+
     python bench/proxy.py            # 10 s per measurement
     python bench/proxy.py --quick    # 3 s per measurement
     python bench/proxy.py --quick --route responses   # only the Responses API cases
     python bench/proxy.py --quick --route messages    # only the Messages API cases (Anthropic's)
     python bench/proxy.py --compare litellm           # direct vs rlproxy vs LiteLLM (make litellm)
+    python bench/proxy.py --quick --pin               # the proxy on a core of its own
 """
 
 from __future__ import annotations
@@ -529,6 +534,31 @@ def settled(stub_url: str, before: int, quiet_s: float = 0.5) -> int:
     return now - before
 
 
+def _pin(pid: int, cpus: set[int]) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, OSError):  # a thread that ended meanwhile
+            pass
+
+
+def pin_layout(stub: subprocess.Popen, proxy: Proxy, floor: Floor) -> str:
+    """`--pin`: the proxy's serving process and the floor on the last core, the rest (this process,
+    so wrk and the poller, the stub, the writer process) on the others; says so in a line."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or not sys.platform.startswith("linux"):
+        return "unpinned (--pin needs Linux and 2 cores)"
+    own, rest = {cpus[-1]}, set(cpus[:-1])
+    _pin(os.getpid(), rest)
+    _pin(stub.pid, rest)
+    _pin(proxy.proc.pid, own)
+    for child in proxy.ps.children(recursive=True):  # the writer process (idle priority)
+        _pin(child.pid, rest)
+    _pin(floor.proc.pid, own)
+    others = ",".join(str(c) for c in cpus[:-1])
+    return f"pinned: serving process and floor on CPU {cpus[-1]}; wrk, stub, writer on CPU {others}"
+
+
 def machine() -> str:
     cpu = next(
         (
@@ -677,6 +707,12 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4, help="requests per run (tagged cases)")
     ap.add_argument("--reward-share", type=float, default=0.5, help="share of runs that get a reward, 0-1")
     ap.add_argument("--poll-interval", type=float, default=1.0, help="trainer poll period, seconds")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="the proxy's serving process (and the floor) on a core of its own, everything else on the"
+        " others: the layout of a deployment, where the app and the model server are elsewhere",
+    )
     ap.add_argument("--poller", metavar="DB", help=argparse.SUPPRESS)  # the trainer-poll subprocess
     ap.add_argument("--delay-ms", type=float, default=0.0, help="--compare: the stub's delay per answer, ms")
     ap.add_argument(
@@ -752,12 +788,15 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
             wrk(via[route], script, 4, 1, "warmup-s", 0, True, route=route, turns=args.turns)
 
         cases = [c for c in CASES if args.route in ("all", c[4]) and re.search(args.only, c[0])]
+        box = machine()  # before pinning this process to some of its cores
+        layout = pin_layout(stub, proxy, floor) if args.pin else "unpinned"
         load = os.getloadavg()
         print(
             f"# bench/proxy.py: {secs:g} s per measurement in {rounds} alternating direct/proxy rounds,"
             f" wrk, stub = plain asyncio, capture on (SQLite); tagged = a run id per {args.turns} requests,"
             f" rewards for {args.reward_share:g} of the runs while the load runs; +poll = the trainer's"
-            f" poll query every {args.poll_interval:g} s; {machine()}; load {load[0]:.2f} {load[1]:.2f}"
+            f" poll query every {args.poll_interval:g} s; {box}; load {load[0]:.2f} {load[1]:.2f};"
+            f" {layout}"
         )
         total_req, total_cpu = 0, 0.0
         cpu_k: dict[str, float] = {}
