@@ -239,3 +239,27 @@ def test_the_sqlite_binds_skip_the_processors_wrappers() -> None:
     at = NOW.astimezone(timezone(timedelta(hours=-7)))
     assert convert["created_at"](at) == "2026-12-05 22:00:00.123456"  # the zone's fields, as SQLAlchemy
     assert convert["created_at"](datetime(2026, 1, 2).date()) == "2026-01-02 00:00:00.000000"
+
+
+def test_a_driver_error_is_raised_as_sqlalchemys(tmp_path: Path) -> None:
+    """The writer's retry rules read SQLAlchemy's exception classes: `driver` raises those too."""
+    from sqlalchemy import exc
+
+    async def go() -> None:
+        url = f"sqlite:///{tmp_path / 's.db'}"
+        await db.upgrade_async(url)
+        engine = db.create_engine(url)
+        conn = await db.connect_write(db.writer_engine(engine))
+        try:
+            async with conn.begin():
+                try:
+                    conn.driver("SELECT no_such_column FROM runs", ())
+                except exc.OperationalError as e:
+                    assert "no_such_column" in str(e.orig)
+                else:
+                    raise AssertionError("no error")
+        finally:
+            await conn.close()
+            await engine.dispose()
+
+    asyncio.run(go())
