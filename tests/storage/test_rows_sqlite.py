@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -71,12 +72,22 @@ def records() -> list[CompletionRecord]:
     ]
 
 
-async def _write(path: Path, fast: bool) -> None:
+@asynccontextmanager
+async def _writer_conn(path: Path):
+    """The writer's connection to a fresh SQLite file of the current schema."""
     url = f"sqlite:///{path}"
     await db.upgrade_async(url)
     engine = db.create_engine(url)
     conn = await db.connect_write(db.writer_engine(engine))
     try:
+        yield conn
+    finally:
+        await conn.close()
+        await engine.dispose()
+
+
+async def _write(path: Path, fast: bool) -> None:
+    async with _writer_conn(path) as conn:
         async with conn.begin():
             recs = records()
             first = await ensure_runs(conn, recs)
@@ -93,17 +104,15 @@ async def _write(path: Path, fast: bool) -> None:
                         seq[r.run_id] += 1
                     rows.append(row)
                 await conn.execute(_INSERT_COMPLETIONS, rows)
-    finally:
-        await conn.close()
-        await engine.dispose()
 
 
-def _rows(path: Path) -> list[tuple]:
+def _rows(path: Path, table: str = "completions") -> list[tuple]:
+    """Every row of `table`, each column with its storage class."""
     con = sqlite3.connect(path)
     try:
-        cols = [r[1] for r in con.execute("PRAGMA table_info(completions)")]
+        cols = [r[1] for r in con.execute(f"PRAGMA table_info({table})")]
         select = ", ".join(f"{c}, typeof({c})" for c in cols)
-        return con.execute(f"SELECT {select} FROM completions ORDER BY id").fetchall()
+        return con.execute(f"SELECT {select} FROM {table} ORDER BY id").fetchall()
     finally:
         con.close()
 
@@ -144,13 +153,9 @@ class _NoDriver:
 
 
 async def _rewards(path: Path, fast: bool) -> list:
-    url = f"sqlite:///{path}"
-    await db.upgrade_async(url)
-    engine = db.create_engine(url)
-    conn = await db.connect_write(db.writer_engine(engine))
-    assert hasattr(conn, "driver")  # the writer's SQLite connection: the driver's path is taken
     outcomes = []
-    try:
+    async with _writer_conn(path) as conn:
+        assert hasattr(conn, "driver")  # the writer's SQLite connection: the driver's path is taken
         async with conn.begin():
             recs = records()
             recs[3].request = {"messages": [{"role": "user", "content": "x"}]}
@@ -186,20 +191,7 @@ async def _rewards(path: Path, fast: bool) -> list:
                 used = conn if fast else _NoDriver(conn)
                 out = await apply_reward(used, run_id, reward, metrics, metadata, NOW, rubric, split)
             outcomes.append(out if isinstance(out, bool) else (type(out).__name__, str(out)))
-    finally:
-        await conn.close()
-        await engine.dispose()
     return outcomes
-
-
-def _runs(path: Path) -> list[tuple]:
-    con = sqlite3.connect(path)
-    try:
-        cols = [r[1] for r in con.execute("PRAGMA table_info(runs)")]
-        select = ", ".join(f"{c}, typeof({c})" for c in cols)
-        return con.execute(f"SELECT {select} FROM runs ORDER BY id").fetchall()
-    finally:
-        con.close()
 
 
 def test_a_reward_on_sqlites_driver_stores_what_sqlalchemy_stores(tmp_path: Path) -> None:
@@ -213,7 +205,7 @@ def test_a_reward_on_sqlites_driver_stores_what_sqlalchemy_stores(tmp_path: Path
     assert fast[3:8] == [True, False, True, True, ("RubricConflict", fast[7][1])]
     assert fast[8] is True
     assert fast[9:11] == [False, ("RewardConflict", fast[10][1])]
-    assert _runs(tmp_path / "fast.db") == _runs(tmp_path / "reference.db")
+    assert _rows(tmp_path / "fast.db", "runs") == _rows(tmp_path / "reference.db", "runs")
     con = sqlite3.connect(tmp_path / "fast.db")
     assert con.execute(
         "SELECT reward, status, metrics, completed_at FROM runs WHERE id = 'r-1'"
@@ -246,20 +238,12 @@ def test_a_driver_error_is_raised_as_sqlalchemys(tmp_path: Path) -> None:
     from sqlalchemy import exc
 
     async def go() -> None:
-        url = f"sqlite:///{tmp_path / 's.db'}"
-        await db.upgrade_async(url)
-        engine = db.create_engine(url)
-        conn = await db.connect_write(db.writer_engine(engine))
-        try:
-            async with conn.begin():
-                try:
-                    conn.driver("SELECT no_such_column FROM runs", ())
-                except exc.OperationalError as e:
-                    assert "no_such_column" in str(e.orig)
-                else:
-                    raise AssertionError("no error")
-        finally:
-            await conn.close()
-            await engine.dispose()
+        async with _writer_conn(tmp_path / "s.db") as conn, conn.begin():
+            try:
+                conn.driver("SELECT no_such_column FROM runs", ())
+            except exc.OperationalError as e:
+                assert "no_such_column" in str(e.orig)
+            else:
+                raise AssertionError("no error")
 
     asyncio.run(go())
