@@ -236,32 +236,46 @@ class StreamAssembler:
         self._chat = endpoint == CHAT
         self._keep_entries = not inj.logprobs  # the client asked for logprobs: rebuild them
 
-    def feed(self, chunk: dict) -> None:
-        """Fold one parsed `data:` chunk in (before it is stripped for the client).
+    def feed(self, chunk: dict, strip: bool = False) -> bool:
+        """Fold one parsed `data:` chunk in. With `strip`, also set the injected fields of `chunk`
+        back to null (in place, as `strip()` does) and say whether the chunk is left empty: it
+        carried only the injected fields, so the upstream would not have sent it at all (vLLM and
+        the embedded engine emit a chunk per sampled token when token ids or logprobs are asked
+        for, even one that adds no text, `"delta": {}`; without them they skip it). The client's
+        stream then drops it, and stays as it would have been. Without `strip`: False.
 
-        Runs for every token of every stream: local lookups, one `get` per field, and nothing kept
-        that the result will not use (the client's own logprob entries only when it asked).
+        Runs for every token of every stream: one pass over the chunk, one `get` per field (each
+        read serves the fold, the strip and the emptiness), and nothing kept that the result will
+        not use (the client's own logprob entries only when it asked). A part that is not of the
+        OpenAI shape is skipped and marks the stream `malformed`; the chunk is then not empty.
         """
         get = chunk.get
         if not self.head:
             self.head = {k: get(k) for k in ("id", "created", "model", "system_fingerprint")}
+        strip_ids = strip and self.inj.token_ids
+        strip_lp = strip and self.inj.logprobs
         p = get("prompt_token_ids")
-        if p is not None and _ints(p):
-            self.prompt_token_ids = p
+        if p is not None:
+            if _ints(p):
+                self.prompt_token_ids = p
+            if strip_ids:
+                chunk["prompt_token_ids"] = None
         usage = get("usage")
         if usage:
             if type(usage) is dict:
                 self.usage = usage
         choices = get("choices")
         if not choices:
-            return
+            return False
         if type(choices) is not list:
             self.malformed = True
-            return
+            return False
+        empty = strip and not usage
         chat = self._chat
         for c in choices:
             if type(c) is not dict:  # not a choice: nothing of it can be kept
                 self.malformed = True
+                empty = False
                 continue
             cg = c.get
             idx = cg("index", 0)
@@ -271,47 +285,69 @@ class StreamAssembler:
             if ch is None:
                 ch = self.choices[idx] = _Choice(idx)
             p = cg("prompt_token_ids")
-            if p is not None and ch.prompt_token_ids is None and _ints(p):
-                ch.prompt_token_ids = p
+            if p is not None:
+                if ch.prompt_token_ids is None and _ints(p):
+                    ch.prompt_token_ids = p
+                if strip_ids:
+                    c["prompt_token_ids"] = None
             ids = cg("token_ids")
-            if ids:
-                if _ints(ids):
-                    ch.token_ids.extend(ids)
-                    self.got_token = True
+            if ids is not None:
+                if ids:
+                    if _ints(ids):
+                        ch.token_ids.extend(ids)
+                        self.got_token = True
+                    else:
+                        self.malformed = True
+                if strip_ids:
+                    c["token_ids"] = None
                 else:
-                    self.malformed = True
+                    empty = False
             lp = cg("logprobs")
-            if lp and type(lp) is dict:
-                if chat:
-                    for e in lp.get("content") or ():
-                        if type(e) is dict:
-                            ch.logprobs.append(e.get("logprob"))
-                            if self._keep_entries:
-                                ch.logprob_entries.append(e)
+            if lp is not None:
+                if lp and type(lp) is dict:
+                    if chat:
+                        for e in lp.get("content") or ():
+                            if type(e) is dict:
+                                ch.logprobs.append(e.get("logprob"))
+                                if self._keep_entries:
+                                    ch.logprob_entries.append(e)
+                    else:
+                        tl = lp.get("token_logprobs")
+                        if type(tl) is list:
+                            ch.logprobs.extend(tl)
+                        if self._keep_entries:
+                            ch.logprob_entries.append(lp)
+                if strip_lp:
+                    c["logprobs"] = None
                 else:
-                    tl = lp.get("token_logprobs")
-                    if type(tl) is list:
-                        ch.logprobs.extend(tl)
-                    if self._keep_entries:
-                        ch.logprob_entries.append(lp)
+                    empty = False
             fr = cg("finish_reason")
             if fr is not None:
                 ch.finish_reason = fr
+                empty = False
             sr = cg("stop_reason")
             if sr is not None:
                 ch.stop_reason = sr
-            if chat:
-                delta = cg("delta")
-                if delta:
-                    if type(delta) is dict:
+            delta = cg("delta") if chat or empty else None
+            if delta:
+                if type(delta) is not dict:
+                    self.malformed = self.malformed or chat  # (a text completion has no delta to read)
+                    empty = False
+                else:
+                    if chat:
                         self._delta(ch, delta)
-                    else:
-                        self.malformed = True
-            else:
-                text = cg("text")
-                if text:
+                    if empty:
+                        for v in delta.values():
+                            if v:
+                                empty = False
+                                break
+            text = cg("text") if not chat or empty else None
+            if text:
+                empty = False
+                if not chat:
                     ch.text.append(str(text))
                     self.got_token = True
+        return empty
 
     def _delta(self, ch: _Choice, delta: dict) -> None:
         get = delta.get

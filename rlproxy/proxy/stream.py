@@ -32,7 +32,7 @@ from starlette.responses import Response
 
 from rlproxy.errors import BackendError
 from rlproxy.proxy import http11, server
-from rlproxy.proxy.capture import Injected, StreamAssembler, strip
+from rlproxy.proxy.capture import Injected, StreamAssembler
 from rlproxy.proxy.errors import public_message
 
 if TYPE_CHECKING:
@@ -215,15 +215,13 @@ class StreamRelay(Response):
         if "error" in chunk and not chunk.get("choices"):
             self.error = str(chunk["error"])
         assembler = self.assembler
-        assembler.feed(chunk)
+        # folded in, and (rewriting for the client) stripped; a chunk left empty is not sent
+        empty = assembler.feed(chunk, rewrite and self.translate is None)
         if self.ttft is None and assembler.got_token:
             self.ttft = time.perf_counter() - self.started
         if self.translate is not None:
             return self.translate.chunk(chunk)
-        if not rewrite:
-            return b""
-        strip(chunk, self.inj)
-        if _empty(chunk):
+        if not rewrite or empty:
             return b""
         data = b"data: " + orjson.dumps(chunk)
         if lines is None:
@@ -236,29 +234,3 @@ class StreamRelay(Response):
         if not rewrite or self.translate is not None:
             return b""
         return (line if lines is None else b"\n".join(lines)) + b"\n\n"
-
-
-def _empty(chunk: dict) -> bool:
-    """A chunk that carried only the injected fields: the upstream would not have sent it at all.
-
-    vLLM (and the embedded engine) emit a chunk for every sampled token when token ids or logprobs
-    are requested, even one that adds no text (`"delta": {}`); without them it skips it. Dropping
-    such a chunk after stripping keeps the client's stream as it would have been.
-    """
-    if chunk.get("usage"):
-        return False
-    choices = chunk.get("choices")
-    if not choices:
-        return False
-    for c in choices:
-        get = c.get
-        if get("finish_reason") is not None or get("logprobs") is not None or get("token_ids") is not None:
-            return False
-        if get("text"):
-            return False
-        delta = get("delta")
-        if delta:
-            for v in delta.values():
-                if v:
-                    return False
-    return True

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import orjson
+
 from rlproxy.proxy import capture
 from rlproxy.proxy.runkey import default_group
-from rlproxy.proxy.stream import _empty
 from rlproxy.storage.records import Endpoint
 
 
@@ -163,13 +164,114 @@ def test_stream_assembler_completions_keeps_client_logprobs():
     assert choice["text"] == "ab" and choice["logprobs"]["tokens"] == ["a", "b"]
 
 
+def _stripped_empty(chunk: dict) -> bool:
+    """What `feed(chunk, strip=True)` returns, said plainly (the oracle): after stripping, the
+    chunk has no usage and choices none of which carries anything."""
+    if chunk.get("usage") or not chunk.get("choices"):
+        return False
+    for c in chunk["choices"]:
+        if c.get("finish_reason") is not None or c.get("logprobs") is not None:
+            return False
+        if c.get("token_ids") is not None or c.get("text"):
+            return False
+        delta = c.get("delta")
+        if delta and (not isinstance(delta, dict) or any(delta.values())):  # (one not an object: sent)
+            return False
+    return True
+
+
+def _feed(endpoint: str, inj: capture.Injected, chunk: dict) -> bool:
+    return capture.StreamAssembler(endpoint, inj).feed(chunk, strip=True)
+
+
 def test_chunks_left_empty_by_stripping_are_dropped():
-    assert _empty(
-        {"choices": [{"index": 0, "delta": {}, "logprobs": None, "token_ids": None, "finish_reason": None}]}
+    both = capture.Injected(True, True)
+    assert _feed(
+        Endpoint.CHAT,
+        both,
+        {"choices": [{"index": 0, "delta": {}, "logprobs": {"content": []}, "token_ids": [5]}]},
     )
-    assert not _empty({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-    assert not _empty({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
-    assert not _empty({"choices": [], "usage": {"prompt_tokens": 1}})
+    assert not _feed(
+        Endpoint.CHAT, both, {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    )
+    assert not _feed(Endpoint.CHAT, both, {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    assert not _feed(Endpoint.CHAT, both, {"choices": [], "usage": {"prompt_tokens": 1}})
+    # what the client asked for itself is never stripped, so a chunk carrying it is not empty
+    assert not _feed(
+        Endpoint.CHAT,
+        capture.Injected(True, False),
+        {"choices": [{"index": 0, "delta": {}, "logprobs": {"content": []}, "token_ids": [5]}]},
+    )
+    assert _feed(
+        Endpoint.COMPLETIONS, both, {"choices": [{"index": 0, "text": "", "token_ids": [5], "logprobs": {}}]}
+    )
+    assert not _feed(Endpoint.COMPLETIONS, both, {"choices": [{"index": 0, "text": "a", "token_ids": [5]}]})
+    # without strip: folded only, never called empty, nothing changed
+    chunk = {"choices": [{"index": 0, "delta": {}, "token_ids": [5]}]}
+    assert not capture.StreamAssembler(Endpoint.CHAT, both).feed(chunk) and chunk["choices"][0][
+        "token_ids"
+    ] == [5]
+
+
+def test_feed_strips_as_strip_does_and_folds_the_same():
+    """One pass (fold + strip + emptiness) against the three it replaced, over chunks of every
+    shape a stream carries (and some it should not), for each injection and endpoint."""
+    lp_chat = {"content": [{"token": "a", "logprob": -0.5, "top_logprobs": []}]}
+    lp_text = {"tokens": ["a"], "token_logprobs": [-0.5], "text_offset": [0], "top_logprobs": None}
+    choices = [
+        {"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None},
+        {"index": 0, "delta": {"content": "a"}, "logprobs": lp_chat, "token_ids": [7], "finish_reason": None},
+        {"index": 0, "delta": {}, "logprobs": lp_chat, "token_ids": [8], "finish_reason": None},
+        {
+            "index": 0,
+            "delta": {},
+            "logprobs": None,
+            "token_ids": None,
+            "finish_reason": "stop",
+            "stop_reason": 2,
+        },
+        {
+            "index": 1,
+            "delta": {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": "{"}}]},
+        },
+        {"index": 0, "delta": {"reasoning_content": "r"}, "token_ids": [9]},
+        {"index": 0, "text": "a", "logprobs": lp_text, "token_ids": [7], "prompt_token_ids": [1, 2]},
+        {"index": 0, "text": "", "logprobs": lp_text, "token_ids": [8]},
+        {"index": 0, "text": "", "token_ids": [], "logprobs": {}},
+        {"index": "x", "delta": {"content": None}, "token_ids": ["no"]},
+        {"index": 0},
+        {"index": 0, "delta": {}, "text": "t", "token_ids": [3]},  # a stray text on a chat chunk
+        {"index": 0, "delta": ["x"], "token_ids": [3]},  # a delta that is no object
+    ]
+    chunks = [{"id": "c1", "choices": [c]} for c in choices]
+    chunks += [
+        {"id": "c1", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}},
+        {"id": "c1", "choices": None, "prompt_token_ids": [1, 2]},
+        {"id": "c1", "prompt_token_ids": [1, 2], "choices": [choices[1], choices[2]]},
+        {"id": "c1", "choices": [choices[2]], "usage": {"prompt_tokens": 2}},
+    ]
+    for endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS):
+        for inj in (
+            capture.Injected(True, True),
+            capture.Injected(True, False),
+            capture.Injected(False, True),
+        ):
+            one, three = capture.StreamAssembler(endpoint, inj), capture.StreamAssembler(endpoint, inj)
+            for chunk in chunks:
+                a, b = orjson.loads(orjson.dumps(chunk)), orjson.loads(orjson.dumps(chunk))
+                empty = one.feed(a, strip=True)
+                three.feed(b)  # the old way: fold, then strip, then ask
+                capture.strip(b, inj)
+                assert a == b, (endpoint, inj, chunk)
+                assert empty == _stripped_empty(b), (endpoint, inj, chunk)
+            r1, r3 = one.result(), three.result()
+            assert (r1.response, r1.token_ids, r1.logprobs, r1.prompt_token_ids) == (
+                r3.response,
+                r3.token_ids,
+                r3.logprobs,
+                r3.prompt_token_ids,
+            )
+            assert one.malformed and three.malformed  # the "x" index and ["no"] token ids
 
 
 def test_default_group_ignores_what_comes_after_the_first_user_message():
