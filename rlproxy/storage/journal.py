@@ -37,7 +37,7 @@ from pathlib import Path
 import orjson
 from sqlalchemy.engine import make_url
 
-from rlproxy.storage.db import is_sqlite, normalize_url, sqlite_path
+from rlproxy.storage.db import is_sqlite, json_bytes, normalize_url, sqlite_path
 from rlproxy.storage.records import CompletionRecord
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def default_folder(db_url: str, cache_dir: str | Path) -> Path | None:
 
 def encode(rec: CompletionRecord) -> bytes:
     """The record as one JSON document (raises TypeError for values JSON cannot hold)."""
-    return orjson.dumps(rec, option=orjson.OPT_NON_STR_KEYS)
+    return json_bytes(rec)
 
 
 def decode(payload: bytes) -> CompletionRecord:

@@ -12,6 +12,7 @@ import textwrap
 from datetime import UTC, datetime
 from pathlib import Path
 
+import orjson
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -50,6 +51,16 @@ def test_encode_decode_round_trip() -> None:
     assert back.created_at == r.created_at and back.request == r.request and back.token_ids == [[1, 2, 3]]
     assert back.logprobs == [[-0.5, None]]  # stored the same way: JSON has no -inf
     assert back.capture_id == "cap-3" and back.default_group == "g"
+
+
+def test_a_key_that_is_not_a_string_is_written_as_one() -> None:
+    """The fast path (no non-string-key option) falls back to the option, never to an error row;
+    with string keys both write the same bytes."""
+    r = rec("run", 4)
+    r.request = {"messages": [], "logit_bias": {50256: -100}}
+    assert decode(encode(r)).request == {"messages": [], "logit_bias": {"50256": -100}}
+    plain = rec("run", 5)
+    assert encode(plain) == orjson.dumps(plain, option=orjson.OPT_NON_STR_KEYS)
 
 
 def test_records_survive_sigkill_of_the_writing_process(tmp_path: Path) -> None:
