@@ -222,6 +222,7 @@ class Metrics:
         self._writer = _WriterCollector()
         r.register(self._writer)
         self._children: dict = {}
+        self._ttft: dict = {}
 
     def attach_upstreams(self, pool) -> None:
         """Report each replica of `pool` (an `upstreams.Upstreams`): in flight, healthy, ejections."""
@@ -243,17 +244,21 @@ class Metrics:
         """Count one request (label children cached: this runs on every request)."""
         key = (endpoint, status)
         child = self._children.get(key)
-        if child is None:
+        if child is None:  # (`labels()` checks and hashes its values under a lock: ~5 us a call)
             child = self._children[key] = (
                 self.requests.labels(endpoint, status),
                 self.latency.labels(endpoint),
+                self.errors.labels(status) if status != "ok" else None,
             )
         child[0].inc()
         child[1].observe(latency_s)
-        if ttft_s is not None:
-            self.ttft.labels(endpoint).observe(ttft_s)
-        if status != "ok":
-            self.errors.labels(status).inc()
+        if child[2] is not None:
+            child[2].inc()
+        if ttft_s is not None:  # a stream's (its series appears with the endpoint's first stream)
+            ttft = self._ttft.get(endpoint)
+            if ttft is None:
+                ttft = self._ttft[endpoint] = self.ttft.labels(endpoint)
+            ttft.observe(ttft_s)
 
     def judge_call(self, outcome: str, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
         """Count one judge call (outcome ok, malformed or error) with its latency and tokens."""
