@@ -224,6 +224,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="per slice")
     ap.add_argument("--rounds", type=int, default=3, help="slices")
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--conns", type=int, default=1, help="wrk's connections (concurrency)")
+    ap.add_argument(
+        "--delay-ms", type=float, default=0.0, help="the stub's answer time (a stream spreads it)"
+    )
     ap.add_argument("--reward-share", type=float, default=0.5)
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
@@ -255,7 +259,8 @@ def main() -> int:
         rewarder = bench.Rewarder(px.url, tmp / "store.db", args.reward_share, args.turns)
         path = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
         url = px.url + path[args.route]
-        bench.wrk(url, script, 1, 2, "warm", 0.0, args.stream, route=args.route, turns=args.turns)
+        delay = args.delay_ms / 1000
+        bench.wrk(url, script, args.conns, 2, "warm", delay, args.stream, route=args.route, turns=args.turns)
         slices = []
         for r in range(args.rounds):
             out.unlink(missing_ok=True)
@@ -282,9 +287,10 @@ def main() -> int:
 
     mode = "stream" if args.stream else "non-stream"
     print(
-        f"# bench/where.py: {args.route} {mode}, tagged (a run id per {args.turns} requests), c=1, instant"
-        f" stub, rewards for {args.reward_share:g} of the runs ({sum(codes.values())} posted, status"
-        f" {codes}); {args.rounds} slices of {args.seconds:g} s; {bench.machine()}"
+        f"# bench/where.py: {args.route} {mode}, tagged (a run id per {args.turns} requests),"
+        f" c={args.conns}, stub delay {args.delay_ms:g} ms, rewards for {args.reward_share:g} of the runs"
+        f" ({sum(codes.values())} posted, status {codes}); {args.rounds} slices of {args.seconds:g} s;"
+        f" {bench.machine()}"
     )
     print(f"# a wrapped call adds ~{wrapper_cost_ns() / 1000:.2f} us (measured here), counted in its callers")
     thread = [s[2]["thread_ns"] / s[0] / 1000 for s in slices]
