@@ -22,7 +22,7 @@ the close; de-chunked by llhttp).
 
 Errors: `BackendUnavailable` / `BackendTimeout` for the body (`Response.next_chunk`); while
 connecting and reading the head, plain `OSError`/`ConnectionError` (`forward.Upstream` translates
-them, and the caller bounds the time with `asyncio.timeout`).
+them, and the caller bounds the time by cancelling the call: `forward._Deadline`).
 
 (Over 400 lines: one protocol and its pool, every case above tested against a raw socket; the
 parser's callbacks and the pool's bookkeeping are one state machine.)
@@ -362,7 +362,7 @@ class Pool:
     ) -> Response:
         """Send one request (once) and return when the response headers arrived (the body follows).
 
-        The caller bounds the time (`asyncio.timeout`); a cancelled wait closes the connection.
+        The caller bounds the time (it cancels: `forward._Deadline`); a cancelled wait closes the connection.
         """
         head = [
             method,
