@@ -578,6 +578,10 @@ class Writer:
         self._spawned += 1
         self._waited.clear()
         self._demoting = False  # (a process that died before its kill was lost as a death)
+        if self._idle_at is not None:  # started at the normal priority (the last one starved): its
+            # time there counts from now, not from the decision (a start can take seconds on a
+            # loaded box: counted from the decision, it went back to idle priority, starved at once)
+            self._idle_at = time.monotonic() + self._idle_after
         if self._idle_wanted and self._watch is None:
             self._watch = asyncio.get_running_loop().call_later(STARVE_CHECK_S, self._watch_priority)
         for op in list(self._ops.values()):

@@ -13,6 +13,7 @@ locked store (slow SQL, not starvation) keeps it idle; the store is written the 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sqlite3
@@ -183,6 +184,36 @@ def test_a_starved_writer_that_cannot_be_raised_is_replaced(make_proxy, stub, mo
         return set_idle(self, idle) if idle else False
 
     monkeypatch.setattr(WriterProcess, "set_idle", unprivileged)
+    proxy = make_proxy(stub.url)
+    proxy.state.writer.idle_again_s = 2.0
+    _chat(proxy, "before")
+    proxy.flush()
+    _starved_then_idle_again(proxy, _pid(proxy), replaced=True)
+
+
+def test_a_replacement_slow_to_start_gets_its_whole_time_at_the_normal_priority(
+    make_proxy, stub, monkeypatch
+) -> None:
+    """On a loaded box a writer process can take seconds to start: its time at the normal priority
+    counts from its start. Counted from the decision (here 2 s, the start taking 3), it went back
+    to idle priority at once, starved again behind the busy loops, and the reward waiting on it
+    was a 503 (seen in the full suite on 2 cores; this test failed so on that code)."""
+    from rlproxy.storage.writer_link import WriterProcess
+
+    set_idle, spawn = WriterProcess.set_idle, WriterProcess.spawn
+    spawned: list[int] = []
+
+    def unprivileged(self, idle: bool) -> bool:
+        return set_idle(self, idle) if idle else False
+
+    async def slow_spawn(self, recipe: dict) -> None:
+        spawned.append(1)
+        if len(spawned) > 1:  # the replacement, not the first one
+            await asyncio.sleep(3.0)
+        await spawn(self, recipe)
+
+    monkeypatch.setattr(WriterProcess, "set_idle", unprivileged)
+    monkeypatch.setattr(WriterProcess, "spawn", slow_spawn)
     proxy = make_proxy(stub.url)
     proxy.state.writer.idle_again_s = 2.0
     _chat(proxy, "before")
