@@ -12,7 +12,8 @@ other keyword arguments go to `openai.OpenAI` as they are (`default_headers` are
 run's). `run.reward(...)` posts `POST {base_url}/runs/{id}/reward` with the same key and raises
 `RewardError` on any 4xx/5xx (404 unknown run, 409 a different reward, 422 a bad value), after
 retrying a 503 (a stream of the run still running, a busy store) a few times as its `Retry-After`
-says; `run.complete(rubric=...)` ends the run without a number for the judge (`/complete`).
+says (a 503 whose commit had already begun lands anyway: a retry then finds the same reward, and the
+answer still says `"stored": true`, since this call stored it); `run.complete(rubric=...)` ends the run without a number for the judge (`/complete`).
 `arun(...)` is the same with `openai.AsyncOpenAI` and `await run.reward(...)`.
 
 The proxy stays the zero-code path: this module only saves typing the header and checking the
@@ -37,7 +38,7 @@ import openai
 __all__ = ["AsyncRun", "RewardError", "Run", "arun", "run"]
 
 _PATH_RUN = re.compile(r"/runs/([A-Za-z0-9._:-]{1,128})/v1/?$")
-_RETRIES_503 = 3  # a 503 on a reward is retryable (not stored); more than this is a real outage
+_RETRIES_503 = 3  # a 503 on a reward is retryable; more than this is a real outage
 _MAX_WAIT_S = 10.0  # longest Retry-After honoured between two tries
 
 
@@ -84,6 +85,16 @@ def _wait(response: httpx.Response) -> float:
         return min(_MAX_WAIT_S, max(0.05, float(response.headers.get("retry-after", "1"))))
     except ValueError:
         return 1.0
+
+
+def _settle(response: httpx.Response, retried: bool) -> dict:
+    """`_check`'s answer, with `stored` True when an earlier try of this call was a 503 and this one
+    finds the same reward stored: the proxy withdraws a reward it could not commit in time unless
+    its commit had begun, and then it was this call's reward that went in."""
+    answer = _check(response)
+    if retried and answer.get("stored") is False:
+        answer["stored"] = True
+    return answer
 
 
 def _check(response: httpx.Response) -> dict:
@@ -161,7 +172,7 @@ class Run(_RunBase):
         for attempt in range(_RETRIES_503 + 1):
             response = self._http.post(url, json=body, headers=self._auth)
             if response.status_code != 503 or attempt == _RETRIES_503:
-                return _check(response)
+                return _settle(response, attempt > 0)
             time.sleep(_wait(response))
         raise AssertionError("unreachable")
 
@@ -190,7 +201,7 @@ class AsyncRun(_RunBase):
         for attempt in range(_RETRIES_503 + 1):
             response = await self._http.post(url, json=body, headers=self._auth)
             if response.status_code != 503 or attempt == _RETRIES_503:
-                return _check(response)
+                return _settle(response, attempt > 0)
             await asyncio.sleep(_wait(response))
         raise AssertionError("unreachable")
 

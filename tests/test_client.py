@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,27 +31,30 @@ def stub(loop_thread: Any) -> Iterator[Any]:
 
 
 @pytest.fixture
-def proxy(
-    request: pytest.FixtureRequest, loop_thread: Any, stub: Any, tmp_path: Path
-) -> Iterator[ProxyServer]:
-    """A proxy with the agents' key set when the test is parametrized with `key`."""
+def serve(loop_thread: Any, stub: Any, tmp_path: Path) -> Iterator[Callable[..., ProxyServer]]:
+    """serve(**settings) -> a started proxy in front of the stub, on a database of its own."""
     from rlproxy.compose import build_app
     from rlproxy.inference.vllm import VLLMBackend
     from rlproxy.settings import Settings
 
-    key = getattr(request, "param", None)
-    db = tmp_path / "client.db"
-    settings = Settings(
-        db_url=f"sqlite+aiosqlite:///{db}",
-        train=False,
-        model="stub-model",
-        api_key=key,
-        store_wait_timeout=0.3,  # a reward while a stream of its run runs: 503 after 0.3 s
-    )
-    server = ProxyServer(loop_thread, build_app(settings, VLLMBackend("stub-model", upstream=stub.url)), db)
-    server.start()
-    yield server
-    server.stop()
+    started: list[ProxyServer] = []
+
+    def make(**overrides: Any) -> ProxyServer:
+        db = tmp_path / f"client{len(started)}.db"
+        settings = Settings(db_url=f"sqlite+aiosqlite:///{db}", train=False, model="stub-model", **overrides)
+        backend = VLLMBackend("stub-model", upstream=stub.url)
+        started.append(ProxyServer(loop_thread, build_app(settings, backend), db).start())
+        return started[-1]
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def proxy(request: pytest.FixtureRequest, serve: Callable[..., ProxyServer]) -> ProxyServer:
+    """A proxy with the agents' key set when the test is parametrized with `key`."""
+    return serve(api_key=getattr(request, "param", None))
 
 
 @pytest.mark.parametrize("proxy", [None, KEY], ids=["open", "key"], indirect=True)
@@ -122,9 +126,10 @@ def test_async_run(proxy: ProxyServer) -> None:
     assert proxy.query("SELECT id, reward FROM runs") == [("a-1", 1.0)]
 
 
-def test_reward_retries_a_503_while_a_stream_of_the_run_runs(proxy: ProxyServer) -> None:
+def test_reward_retries_a_503_while_a_stream_of_the_run_runs(serve: Callable[..., ProxyServer]) -> None:
     """The proxy answers 503 + Retry-After while a stream of the run is still running; the helper
     waits as told and posts again, so the reward lands once the stream has ended."""
+    proxy = serve(store_wait_timeout=0.3)  # a reward while a stream of its run runs: 503 after 0.3 s
     with rlproxy.client.run(base_url=f"{proxy.url}/v1", run_id="s-1", max_retries=0) as run:
         stream = run.openai.chat.completions.create(
             model="stub-model", messages=MESSAGES, stream=True, extra_headers={"x-stub-delay": "1.0"}
@@ -136,6 +141,29 @@ def test_reward_retries_a_503_while_a_stream_of_the_run_runs(proxy: ProxyServer)
         assert time.monotonic() - started >= 0.3  # it was refused at least once
         done.join(10)
     assert proxy.query("SELECT status, stream FROM completions") == [("ok", 1)]
+
+
+def test_a_503_whose_commit_had_begun_is_still_this_calls_reward(serve: Callable[..., ProxyServer]) -> None:
+    """A reward the store began to commit but could not finish within `store_wait_timeout` is a 503,
+    yet it lands (here a trigger makes the commit of a run's first reward take ~1 s of CPU); the
+    helper's retry then finds the same reward stored, and its answer says `stored: true`, since this
+    call stored it (CI saw `stored: false` on a loaded box, the store taking over 0.3 s to commit)."""
+    proxy = serve(store_wait_timeout=0.3)
+    db = sqlite3.connect(proxy.db_path, isolation_level=None)
+    db.execute("CREATE TABLE pad (i INTEGER)")
+    db.executemany("INSERT INTO pad VALUES (?)", [(i,) for i in range(3200)])
+    db.execute(
+        "CREATE TRIGGER slow_first_reward AFTER UPDATE OF reward ON runs WHEN OLD.reward IS NULL "
+        "BEGIN SELECT max(a.i * b.i % 7) FROM pad a, pad b; END"
+    )
+    db.close()
+    with rlproxy.client.run(base_url=f"{proxy.url}/v1", run_id="l-1", max_retries=0) as run:
+        run.openai.chat.completions.create(model="stub-model", messages=MESSAGES)
+        started = time.monotonic()
+        assert run.reward(0.5) == {"run_id": "l-1", "reward": 0.5, "stored": True}
+        assert time.monotonic() - started >= 1.0  # refused once, then posted again after Retry-After
+        assert run.reward(0.5)["stored"] is False  # a second call of its own is a repeat, as before
+    assert proxy.query("SELECT id, reward, status FROM runs") == [("l-1", 0.5, "completed")]
 
 
 def test_kwargs_pass_through_and_default_headers_merge(proxy: ProxyServer) -> None:
