@@ -13,7 +13,8 @@ run's). `run.reward(...)` posts `POST {base_url}/runs/{id}/reward` with the same
 `RewardError` on any 4xx/5xx (404 unknown run, 409 a different reward, 422 a bad value), after
 retrying a 503 (a stream of the run still running, a busy store) a few times as its `Retry-After`
 says (a 503 whose commit had already begun lands anyway: a retry then finds the same reward, and the
-answer still says `"stored": true`, since this call stored it); `run.complete(rubric=...)` ends the run without a number for the judge (`/complete`).
+answer still says `"stored": true`, since this call stored it); `run.complete(rubric=...)` ends
+the run without a number for the judge (`/complete`).
 `arun(...)` is the same with `openai.AsyncOpenAI` and `await run.reward(...)`.
 
 The proxy stays the zero-code path: this module only saves typing the header and checking the
