@@ -14,6 +14,7 @@ locked store (slow SQL, not starvation) keeps it idle; the store is written the 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import sqlite3
@@ -27,6 +28,16 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
 
 BODY = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(autouse=True)
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory):
+    """This file's tests never overlap on two xdist workers: one's CPU hogs starve the other's idle
+    writer (its "stays idle" and "goes back to idle" checks then fail). The lock file is in the
+    run's base directory, which the workers share."""
+    with open(tmp_path_factory.getbasetemp().parent / "writer_priority.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _chat(proxy, prefix: str, n: int = 4) -> None:
