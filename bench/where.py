@@ -30,6 +30,7 @@ import importlib
 import inspect
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -268,7 +269,15 @@ def main() -> int:
             os.kill(px.proc.pid, signal.SIGUSR1)
             cpu0 = px.serving_cpu()
             w = bench.wrk(
-                url, script, 1, args.seconds, f"w{r}", 0.0, args.stream, route=args.route, turns=args.turns
+                url,
+                script,
+                args.conns,
+                args.seconds,
+                f"w{r}",
+                delay,
+                args.stream,
+                route=args.route,
+                turns=args.turns,
             )
             os.kill(px.proc.pid, signal.SIGUSR2)
             cpu = px.serving_cpu() - cpu0
@@ -284,6 +293,7 @@ def main() -> int:
         if px is not None:
             px.stop()
         stub.terminate()
+        shutil.rmtree(tmp, ignore_errors=True)
 
     mode = "stream" if args.stream else "non-stream"
     print(
