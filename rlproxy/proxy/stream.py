@@ -3,7 +3,9 @@
 Bytes go to the client as they arrive: when nothing was injected the upstream's bytes are sent
 untouched; when capture fields were injected each complete `data:` event is re-serialized without
 them (a partial event waits for its end, never longer). Every event is also folded into a
-`StreamAssembler` for the store.
+`StreamAssembler` for the store. Events are read as SSE frames them: a line ends with LF, CRLF or
+CR (sse-starlette, under many OpenAI-compatible servers, writes CRLF), `data:` with or without its
+space; an event not ended within `MAX_EVENT_BYTES` cuts the stream as the upstream's fault.
 
 The relay is told when the client's connection is lost (`server.hangup_calls`): a client that goes
 away cancels the relay task, which closes the upstream response (so the upstream aborts the generation) and
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING
 import orjson
 from starlette.responses import Response
 
-from rlproxy.errors import BackendError
+from rlproxy.errors import BackendError, BackendUnavailable
 from rlproxy.proxy import http11, server
 from rlproxy.proxy.capture import Injected, StreamAssembler
 from rlproxy.proxy.errors import public_message
@@ -42,6 +44,18 @@ logger = logging.getLogger(__name__)
 
 # (status, error, ttft seconds, HTTP status to store) -> None; stores the record
 Done = Callable[[str, "str | None", "float | None", int], None]
+
+# The most a relay holds of one event not yet ended: past it the stream is cut as the upstream's
+# fault (a peer that never ends an event must not grow the buffer to the whole stream).
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+def _lf(data: bytes, cr: bool) -> tuple[bytes, bool]:
+    """`data` with SSE's CRLF and lone CR line ends made LF, and whether it ended with a CR. `cr`:
+    the read before ended with one, so a LF first here is the rest of that CRLF, not a blank line."""
+    if cr and data[:1] == b"\n":
+        data = data[1:]
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n"), data[-1:] == b"\r"
 
 
 class StreamRelay(Response):
@@ -148,13 +162,18 @@ class StreamRelay(Response):
     async def _relay(self, send) -> None:
         """Relay until the upstream's body ends; the last write also ends the response (one syscall)."""
         buf = b""
+        cr = False  # the last read ended with a CR: a LF first in the next one ends the same line
         rewrite = self.inj.any or self.translate is not None
         upstream = self.upstream
         while True:
             data = await upstream.next_chunk()  # BackendError if the upstream drops or stalls
             if data is None:
                 break
-            buf += data
+            if cr or b"\r" in data:  # SSE's other line ends (CRLF, CR) read as LF; sent as they came
+                text, cr = _lf(data, cr)
+                buf += text
+            else:
+                buf += data
             out: list[bytes] = []
             while True:
                 end = buf.find(b"\n\n")
@@ -162,6 +181,8 @@ class StreamRelay(Response):
                     break
                 event, buf = buf[:end], buf[end + 2 :]
                 out.append(self._event(event, rewrite))
+            if len(buf) > MAX_EVENT_BYTES:
+                raise BackendUnavailable(f"the upstream sent an event of over {MAX_EVENT_BYTES} bytes")
             last = upstream.finished and not buf.strip()
             body = b"".join(out) if rewrite else data
             if last and self.translate is not None:

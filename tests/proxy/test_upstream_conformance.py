@@ -4,7 +4,9 @@ Pins the part "the upstream client is a conformance problem": 1xx and `Expect: 1
 (responses crossing between clients), chunked bodies with extensions and trailers,
 `Connection: close`, an upstream closing a kept-alive connection between requests, an upstream
 closing after reading a request (no silent replay of a POST), mid-stream drops and stalls, a stream
-cut by the proxy's shutdown, malformed status lines, oversized headers, HEAD/204/304 on the
+cut by the proxy's shutdown, SSE events framed by CRLF, CR or both (split anywhere, `data:`
+without its space, through a trainable and a hosted policy), an event that never ends, malformed
+status lines, oversized headers, HEAD/204/304 on the
 pass-through path, and hop-by-hop headers in both directions. Each test drives a real proxy under
 uvicorn on a loopback port; the upstream records every request it read, with the connection it
 came on, so "exactly once" and "same connection" are counted, not assumed.
@@ -18,6 +20,7 @@ import itertools
 import json
 import socket
 import sqlite3
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -523,6 +526,115 @@ def test_mid_stream_drop_is_stored_as_error_and_the_client_can_tell(proxy, upstr
     assert len(stored) == 1 and stored[0]["status"] == "error" and stored[0]["status_code"] == 502
     assert "broke" in stored[0]["error"]
     assert stored[0]["token_ids"] == [[5000, 5001]]  # what did arrive is kept
+
+
+def _framed(events: list[bytes], style: str) -> list[bytes]:
+    """`events` (LF-framed, one per write) as an upstream of `style` writes them: lines ended by
+    CRLF (sse-starlette's default, which many OpenAI-compatible servers use), by CR, a different
+    ending per event, CRLF with every write ending between the separator's CR and LF, or `data:`
+    without its optional space."""
+    if style == "crlf":
+        return [e.replace(b"\n", b"\r\n") for e in events]
+    if style == "cr":
+        return [e.replace(b"\n", b"\r") for e in events]
+    if style == "mixed":
+        return [e.replace(b"\n", (b"\n", b"\r\n", b"\r")[i % 3]) for i, e in enumerate(events)]
+    if style == "crlf-split":
+        crlf = [e.replace(b"\n", b"\r\n") for e in events]
+        return [(b"\n" if i else b"") + e[:-1] for i, e in enumerate(crlf)] + [b"\n"]
+    assert style == "no-space"
+    return [e.replace(b"data: ", b"data:") for e in events]
+
+
+@pytest.mark.parametrize("style", ["crlf", "cr", "mixed", "crlf-split", "no-space"])
+def test_every_sse_line_ending_is_relayed_event_by_event(proxy, upstream, style):
+    """SSE ends a line with CRLF, LF or CR, and `data:` may lack its space. Each event reaches the
+    client as it arrives (the upstream holds the rest until the client has read the first: a relay
+    that waited for LF LF held the whole stream to its end), and the row holds every token."""
+    seen = threading.Event()
+    held: list[bool] = []
+
+    async def handler(req, reader, writer):
+        pieces = _framed(sse_events(req), style)
+        writer.write(SSE_HEAD + chunk(pieces[0]))
+        await writer.drain()
+        for _ in range(100):  # up to 5 s for the client to read the first event
+            if seen.is_set():
+                break
+            await asyncio.sleep(0.05)
+        held.append(seen.is_set())
+        writer.write(b"".join(chunk(p) for p in pieces[1:]) + b"0\r\n\r\n")
+
+    upstream.handler = handler
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    texts, done = [], False
+    with httpx.stream("POST", proxy.url + CHAT, json=body, headers={"X-Run-Id": "sse"}, timeout=10) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[6:] if line.startswith("data: ") else line[5:]  # the space is optional
+            if data.startswith("{"):
+                seen.set()
+                texts.append(orjson.loads(data)["choices"][0]["delta"].get("content") or "")
+            done = done or data == "[DONE]"
+    assert held == [True], "the first event reached the client only after the upstream's last"
+    assert "".join(texts) == "t5000 t5001 t5002 t5003 t5004 " and done
+    (row,) = rows(proxy)
+    assert (row["status"], row["token_ids"]) == ("ok", [[5000, 5001, 5002, 5003, 5004]])
+
+
+@pytest.mark.parametrize("style", ["crlf", "cr"])
+def test_a_hosted_stream_of_other_line_ends_goes_as_sent_and_is_stored_whole(make_proxy, upstream, style):
+    """A hosted (text-only) policy relays the provider's bytes untouched; its row's assembled answer
+    is read with the same framing rules (the relay once folded such a stream only at its end)."""
+    upstream.handler = lambda req, reader, writer: _write(writer, _framed(sse_events(req), style))
+    proxy = make_proxy(upstream.url, hosted_upstreams=f"teacher={upstream.url}/v1")
+    body = {
+        "model": "teacher",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "stream": True,
+    }
+    with httpx.stream("POST", proxy.url + CHAT, json=body, headers={"X-Run-Id": "h"}, timeout=10) as r:
+        assert r.status_code == 200
+        got = b"".join(r.iter_raw())
+    req = upstream.completions()[-1]
+    assert got == b"".join(_framed(sse_events(req), style))  # as the provider wrote it
+    ((status, source, response),) = proxy.query("SELECT status, source, response FROM completions")
+    assert (status, source) == ("ok", "hosted")
+    assert json.loads(response)["choices"][0]["message"]["content"] == "t4000 t4001 t4002 t4003 "
+
+
+async def _write(writer: asyncio.StreamWriter, pieces: list[bytes]) -> None:
+    writer.write(SSE_HEAD + b"".join(chunk(p) for p in pieces) + b"0\r\n\r\n")
+
+
+def test_an_event_that_never_ends_is_cut_at_its_bound(proxy, upstream, monkeypatch):
+    """An upstream that opens an event and never ends it (no blank line): the relay holds at most
+    `MAX_EVENT_BYTES` of it (64 KiB here), then cuts the stream as the upstream's fault (502,
+    stored with what arrived before), instead of buffering the stream to its end."""
+    from rlproxy.proxy import stream
+
+    monkeypatch.setattr(stream, "MAX_EVENT_BYTES", 64 * 1024)
+
+    async def handler(req, reader, writer):
+        writer.write(SSE_HEAD + chunk(sse_events(req)[0]) + chunk(b'data: {"choices": [{"delta": "'))
+        for _ in range(40):  # 40 x 4 KiB of one event, never ended
+            writer.write(chunk(b"x" * 4096))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(5)  # then nothing: the cut must not wait for the idle timeout
+        return "close"
+
+    upstream.handler = handler
+    started = time.monotonic()
+    events, error = stream_events(proxy, 5)
+    assert len(events) == 1 and isinstance(error, httpx.RemoteProtocolError), (events, error)
+    assert time.monotonic() - started < 3
+    (row,) = rows(proxy)
+    assert (row["status"], row["status_code"]) == ("error", 502) and "bytes" in row["error"], row
+    assert row["token_ids"] == [[5000]]  # what did arrive is kept
 
 
 def test_stalled_stream_hits_the_idle_timeout(proxy, upstream):
