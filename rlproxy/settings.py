@@ -173,6 +173,12 @@ class UpstreamSettings(BaseModel):
         description="seconds an upstream answer may send nothing between chunks before it is cut"
         " (stored as an error, the client's stream ended)",
     )
+    max_stream_event_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        description="largest event of an upstream's stream, bytes: one not ended within it cuts the "
+        "stream (502, stored as an error) instead of growing the relay's buffer",
+    )
     upstream_max_connections: int = Field(
         256, ge=1, description="most open connections to the upstream (count); more requests wait for one"
     )

@@ -5,7 +5,8 @@ untouched; when capture fields were injected each complete `data:` event is re-s
 them (a partial event waits for its end, never longer). Every event is also folded into a
 `StreamAssembler` for the store. Events are read as SSE frames them: a line ends with LF, CRLF or
 CR (sse-starlette, under many OpenAI-compatible servers, writes CRLF), `data:` with or without its
-space; an event not ended within `MAX_EVENT_BYTES` cuts the stream as the upstream's fault.
+space; an event not ended within `max_event` bytes (`max_stream_event_bytes`) cuts the stream as the
+upstream's fault, so a peer that never ends one cannot grow the buffer to the whole stream.
 
 The relay is told when the client's connection is lost (`server.hangup_calls`): a client that goes
 away cancels the relay task, which closes the upstream response (so the upstream aborts the generation) and
@@ -45,10 +46,6 @@ logger = logging.getLogger(__name__)
 # (status, error, ttft seconds, HTTP status to store) -> None; stores the record
 Done = Callable[[str, "str | None", "float | None", int], None]
 
-# The most a relay holds of one event not yet ended: past it the stream is cut as the upstream's
-# fault (a peer that never ends an event must not grow the buffer to the whole stream).
-MAX_EVENT_BYTES = 16 * 1024 * 1024
-
 
 def _lf(data: bytes, cr: bool) -> tuple[bytes, bool]:
     """`data` with SSE's CRLF and lone CR line ends made LF, and whether it ended with a CR. `cr`:
@@ -70,8 +67,10 @@ class StreamRelay(Response):
         started: float,
         done: Done,
         translate: EventStream | None = None,
+        max_event: int = 16 * 1024 * 1024,
     ) -> None:
         self.upstream = upstream
+        self.max_event = max_event  # bytes of one event not yet ended: past it, the upstream's fault
         self.translate = translate
         self.status_code = upstream.status_code
         self.background = None
@@ -181,8 +180,8 @@ class StreamRelay(Response):
                     break
                 event, buf = buf[:end], buf[end + 2 :]
                 out.append(self._event(event, rewrite))
-            if len(buf) > MAX_EVENT_BYTES:
-                raise BackendUnavailable(f"the upstream sent an event of over {MAX_EVENT_BYTES} bytes")
+            if len(buf) > self.max_event:
+                raise BackendUnavailable(f"the upstream sent an event of over {self.max_event} bytes")
             last = upstream.finished and not buf.strip()
             body = b"".join(out) if rewrite else data
             if last and self.translate is not None:

@@ -610,13 +610,11 @@ async def _write(writer: asyncio.StreamWriter, pieces: list[bytes]) -> None:
     writer.write(SSE_HEAD + b"".join(chunk(p) for p in pieces) + b"0\r\n\r\n")
 
 
-def test_an_event_that_never_ends_is_cut_at_its_bound(proxy, upstream, monkeypatch):
+def test_an_event_that_never_ends_is_cut_at_its_bound(make_proxy, upstream):
     """An upstream that opens an event and never ends it (no blank line): the relay holds at most
-    `MAX_EVENT_BYTES` of it (64 KiB here), then cuts the stream as the upstream's fault (502,
+    `max_stream_event_bytes` of it (64 KiB here), then cuts the stream as the upstream's fault (502,
     stored with what arrived before), instead of buffering the stream to its end."""
-    from rlproxy.proxy import stream
-
-    monkeypatch.setattr(stream, "MAX_EVENT_BYTES", 64 * 1024)
+    proxy = make_proxy(upstream.url, upstream_idle_timeout=1.0, max_stream_event_bytes=64 * 1024)
 
     async def handler(req, reader, writer):
         writer.write(SSE_HEAD + chunk(sse_events(req)[0]) + chunk(b'data: {"choices": [{"delta": "'))
