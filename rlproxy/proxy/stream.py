@@ -5,8 +5,10 @@ untouched; when capture fields were injected each complete `data:` event is re-s
 them (a partial event waits for its end, never longer). Every event is also folded into a
 `StreamAssembler` for the store. Events are read as SSE frames them: a line ends with LF, CRLF or
 CR (sse-starlette, under many OpenAI-compatible servers, writes CRLF), `data:` with or without its
-space; an event not ended within `max_event` bytes (`max_stream_event_bytes`) cuts the stream as the
-upstream's fault, so a peer that never ends one cannot grow the buffer to the whole stream.
+space, a value over several `data:` lines is one value; a `data:` that opens a JSON object but is
+not JSON is relayed as it came and makes the row an error (its tokens are missing from the
+answer); an event not ended within `max_event` bytes (`max_stream_event_bytes`) cuts the stream as
+the upstream's fault, so a peer that never ends one cannot grow the buffer to the whole stream.
 
 The relay is told when the client's connection is lost (`server.hangup_calls`): a client that goes
 away cancels the relay task, which closes the upstream response (so the upstream aborts the generation) and
@@ -45,6 +47,21 @@ logger = logging.getLogger(__name__)
 
 # (status, error, ttft seconds, HTTP status to store) -> None; stores the record
 Done = Callable[[str, "str | None", "float | None", int], None]
+
+
+def _one_value(lines: list[bytes], data_at: list[int]) -> list[bytes]:
+    """An event whose value spans several `data:` lines (SSE joins them with a LF) with that value
+    on its first line, when it is JSON: its LFs are then whitespace (JSON strings hold none), so
+    spaces stand for them. A value that is not JSON stays as it came (and is not folded)."""
+    value = b"\n".join(lines[i][6:] if lines[i][5:6] == b" " else lines[i][5:] for i in data_at)
+    try:
+        orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return lines
+    rest = set(data_at[1:])
+    one = [line for j, line in enumerate(lines) if j not in rest]
+    one[data_at[0]] = b"data: " + value.replace(b"\n", b" ")
+    return one
 
 
 def _lf(data: bytes, cr: bool) -> tuple[bytes, bool]:
@@ -205,6 +222,9 @@ class StreamRelay(Response):
         if event.startswith(b"data: {") and b"\n" not in event:  # vLLM's every event: one data line
             return self._data(event, 0, None, rewrite)
         lines = event.split(b"\n")
+        data_at = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
+        if len(data_at) > 1:
+            lines = _one_value(lines, data_at)
         translated = b""
         for i, line in enumerate(lines):
             if not line.startswith(b"data:"):
@@ -230,6 +250,8 @@ class StreamRelay(Response):
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
             chunk = None
+            # a chunk that is not JSON: relayed as it came, but the answer stored lacks its tokens
+            self.assembler.malformed = self.assembler.malformed or payload[:1] == b"{"
         if type(chunk) is not dict:
             return self._as_is(line, lines, rewrite)
         if "error" in chunk and not chunk.get("choices"):

@@ -531,8 +531,8 @@ def test_mid_stream_drop_is_stored_as_error_and_the_client_can_tell(proxy, upstr
 def _framed(events: list[bytes], style: str) -> list[bytes]:
     """`events` (LF-framed, one per write) as an upstream of `style` writes them: lines ended by
     CRLF (sse-starlette's default, which many OpenAI-compatible servers use), by CR, a different
-    ending per event, CRLF with every write ending between the separator's CR and LF, or `data:`
-    without its optional space."""
+    ending per event, CRLF with every write ending between the separator's CR and LF, `data:`
+    without its optional space, or each value over two `data:` lines."""
     if style == "crlf":
         return [e.replace(b"\n", b"\r\n") for e in events]
     if style == "cr":
@@ -542,13 +542,18 @@ def _framed(events: list[bytes], style: str) -> list[bytes]:
     if style == "crlf-split":
         crlf = [e.replace(b"\n", b"\r\n") for e in events]
         return [(b"\n" if i else b"") + e[:-1] for i, e in enumerate(crlf)] + [b"\n"]
+    if style == "multi-line":  # each JSON value over two data lines (SSE joins them with a LF)
+        split = [e.replace(b',"', b',\ndata: "', 1) if e.startswith(b"data: {") else e for e in events]
+        assert all(e.count(b"data:") == 2 for e in split[:-1]), split
+        return split
     assert style == "no-space"
     return [e.replace(b"data: ", b"data:") for e in events]
 
 
-@pytest.mark.parametrize("style", ["crlf", "cr", "mixed", "crlf-split", "no-space"])
+@pytest.mark.parametrize("style", ["crlf", "cr", "mixed", "crlf-split", "no-space", "multi-line"])
 def test_every_sse_line_ending_is_relayed_event_by_event(proxy, upstream, style):
-    """SSE ends a line with CRLF, LF or CR, and `data:` may lack its space. Each event reaches the
+    """SSE ends a line with CRLF, LF or CR, `data:` may lack its space, and an event's value may
+    span several `data:` lines (joined by LF). Each event reaches the
     client as it arrives (the upstream holds the rest until the client has read the first: a relay
     that waited for LF LF held the whole stream to its end), and the row holds every token."""
     seen = threading.Event()
@@ -608,6 +613,19 @@ def test_a_hosted_stream_of_other_line_ends_goes_as_sent_and_is_stored_whole(mak
 
 async def _write(writer: asyncio.StreamWriter, pieces: list[bytes]) -> None:
     writer.write(SSE_HEAD + b"".join(chunk(p) for p in pieces) + b"0\r\n\r\n")
+
+
+def test_a_chunk_that_is_not_json_makes_the_row_an_error(proxy, upstream):
+    """A `data:` event that should hold a chunk but is not JSON: the client still gets the stream
+    (that event as the upstream wrote it), and the row is stored as an error, not `ok` with the
+    chunk's tokens missing from its answer."""
+    upstream.handler = lambda req, reader, writer: _write(
+        writer, [*sse_events(req)[:1], b'data: {"choices": [{"delta": \n\n', *sse_events(req)[1:]]
+    )
+    events, error = stream_events(proxy, 3)
+    assert error is None and len(events) == 5 and events[1] == 'data: {"choices": [{"delta": '
+    (row,) = rows(proxy)
+    assert row["status"] == "error" and "not of the OpenAI shape" in row["error"], row
 
 
 def test_an_event_that_never_ends_is_cut_at_its_bound(make_proxy, upstream):
