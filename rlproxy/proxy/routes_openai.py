@@ -385,9 +385,8 @@ def _relay(
 
     headers = forward.response_headers(resp.headers)
     headers.append(step_header)
-    return StreamRelay(
-        resp, headers, assembler, inj, started, done, translate, px.settings.max_stream_event_bytes
-    )
+    max_event = px.settings.max_stream_event_bytes
+    return StreamRelay(resp, headers, assembler, inj, started, done, translate, max_event=max_event)
 
 
 # vLLM's engine-management routes under /v1 (0.32: the other ones, /sleep, /collective_rpc,

@@ -84,7 +84,8 @@ class StreamRelay(Response):
         started: float,
         done: Done,
         translate: EventStream | None = None,
-        max_event: int = 16 * 1024 * 1024,
+        *,
+        max_event: int,
     ) -> None:
         self.upstream = upstream
         self.max_event = max_event  # bytes of one event not yet ended: past it, the upstream's fault
