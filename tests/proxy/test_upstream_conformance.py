@@ -632,7 +632,7 @@ def test_an_event_that_never_ends_is_cut_at_its_bound(make_proxy, upstream):
     """An upstream that opens an event and never ends it (no blank line): the relay holds at most
     `max_stream_event_bytes` of it (64 KiB here), then cuts the stream as the upstream's fault (502,
     stored with what arrived before), instead of buffering the stream to its end."""
-    proxy = make_proxy(upstream.url, upstream_idle_timeout=1.0, max_stream_event_bytes=64 * 1024)
+    proxy = make_proxy(upstream.url, upstream_idle_timeout=5.0, max_stream_event_bytes=64 * 1024)
 
     async def handler(req, reader, writer):
         writer.write(SSE_HEAD + chunk(sse_events(req)[0]) + chunk(b'data: {"choices": [{"delta": "'))
@@ -640,7 +640,7 @@ def test_an_event_that_never_ends_is_cut_at_its_bound(make_proxy, upstream):
             writer.write(chunk(b"x" * 4096))
             await writer.drain()
             await asyncio.sleep(0.01)
-        await asyncio.sleep(5)  # then nothing: the cut must not wait for the idle timeout
+        await asyncio.sleep(6)  # then nothing: the cut must not wait for the idle timeout (5 s)
         return "close"
 
     upstream.handler = handler
