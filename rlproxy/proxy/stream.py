@@ -3,12 +3,13 @@
 Bytes go to the client as they arrive: when nothing was injected the upstream's bytes are sent
 untouched; when capture fields were injected each complete `data:` event is re-serialized without
 them (a partial event waits for its end, never longer). Every event is also folded into a
-`StreamAssembler` for the store. Events are read as SSE frames them: a line ends with LF, CRLF or
-CR (sse-starlette, under many OpenAI-compatible servers, writes CRLF), `data:` with or without its
-space, a value over several `data:` lines is one value; a `data:` that opens a JSON object but is
-not JSON is relayed as it came and makes the row an error (its tokens are missing from the
-answer); an event not ended within `max_event` bytes (`max_stream_event_bytes`) cuts the stream as
-the upstream's fault, so a peer that never ends one cannot grow the buffer to the whole stream.
+`StreamAssembler` for the store. Events are read as SSE frames them: a byte order mark first is
+ignored, a line ends with LF, CRLF or CR (sse-starlette, under many OpenAI-compatible servers,
+writes CRLF), `data:` with or without its space, a value over several `data:` lines is one value;
+a `data:` that opens a JSON object but is not JSON is relayed as it came and makes the row an error
+(its tokens are missing from the answer); an event not ended within `max_event` bytes
+(`max_stream_event_bytes`) cuts the stream as the upstream's fault, so a peer that never ends one
+cannot grow the buffer to the whole stream.
 
 The relay is told when the client's connection is lost (`server.hangup_calls`): a client that goes
 away cancels the relay task, which closes the upstream response (so the upstream aborts the generation) and
@@ -180,6 +181,7 @@ class StreamRelay(Response):
         """Relay until the upstream's body ends; the last write also ends the response (one syscall)."""
         buf = b""
         cr = False  # the last read ended with a CR: a LF first in the next one ends the same line
+        head = True  # the stream's first bytes are still to be read for a byte order mark
         rewrite = self.inj.any or self.translate is not None
         upstream = self.upstream
         while True:
@@ -191,6 +193,10 @@ class StreamRelay(Response):
                 buf += text
             else:
                 buf += data
+            if head and len(buf) >= 3:  # SSE ignores a UTF-8 byte order mark before the first event
+                head = False
+                if buf.startswith(b"\xef\xbb\xbf"):
+                    buf = buf[3:]
             out: list[bytes] = []
             while True:
                 end = buf.find(b"\n\n")

@@ -532,7 +532,7 @@ def _framed(events: list[bytes], style: str) -> list[bytes]:
     """`events` (LF-framed, one per write) as an upstream of `style` writes them: lines ended by
     CRLF (sse-starlette's default, which many OpenAI-compatible servers use), by CR, a different
     ending per event, CRLF with every write ending between the separator's CR and LF, `data:`
-    without its optional space, or each value over two `data:` lines."""
+    without its optional space, each value over two `data:` lines, or a byte order mark first."""
     if style == "crlf":
         return [e.replace(b"\n", b"\r\n") for e in events]
     if style == "cr":
@@ -542,6 +542,8 @@ def _framed(events: list[bytes], style: str) -> list[bytes]:
     if style == "crlf-split":
         crlf = [e.replace(b"\n", b"\r\n") for e in events]
         return [(b"\n" if i else b"") + e[:-1] for i, e in enumerate(crlf)] + [b"\n"]
+    if style == "bom":  # a UTF-8 byte order mark before the first event (SSE ignores it)
+        return [b"\xef\xbb\xbf" + events[0], *events[1:]]
     if style == "multi-line":  # each JSON value over two data lines (SSE joins them with a LF)
         split = [e.replace(b',"', b',\ndata: "', 1) if e.startswith(b"data: {") else e for e in events]
         assert all(e.count(b"data:") == 2 for e in split[:-1]), split
@@ -550,7 +552,7 @@ def _framed(events: list[bytes], style: str) -> list[bytes]:
     return [e.replace(b"data: ", b"data:") for e in events]
 
 
-@pytest.mark.parametrize("style", ["crlf", "cr", "mixed", "crlf-split", "no-space", "multi-line"])
+@pytest.mark.parametrize("style", ["crlf", "cr", "mixed", "crlf-split", "no-space", "multi-line", "bom"])
 def test_every_sse_line_ending_is_relayed_event_by_event(proxy, upstream, style):
     """SSE ends a line with CRLF, LF or CR, `data:` may lack its space, and an event's value may
     span several `data:` lines (joined by LF). Each event reaches the
