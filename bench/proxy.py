@@ -35,6 +35,8 @@ box's scheduler made (wrk, the stub and the writer share the cores), not the pro
     7. The floor, in the chat cases: bench/bare_relay.py (uvicorn as `serve` runs it and the same
        upstream client, nothing checked or captured) in the same alternating slices, so what rlproxy's
        own work adds is read off this machine, not against absolute goals set on another.
+    8. Before the cases, the proxy idle (no request for 1.5 s): the CPU its two processes use a
+       second doing nothing, what a laptop pays for leaving `serve` running.
 
 `--pin` gives the serving process (and the floor) a core of its own and puts wrk, the stub, the
 writer process and this process on the others: the layout of a deployment, where the app and the
@@ -381,6 +383,17 @@ def lag_quantile(before: dict[float, float], after: dict[float, float], q: float
     return float("inf")
 
 
+def _run_ns(pid: int) -> int:
+    """Nanoseconds all threads of `pid` have run (0 for a process gone)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 class Proxy:
     """`rlproxy serve` attached to the stub, in its own process (so its CPU time is its own)."""
 
@@ -423,6 +436,11 @@ class Proxy:
                 return int(f.read().split()[1]) / 1e9
         except (OSError, IndexError, ValueError):
             return 0.0
+
+    def run_ns(self) -> tuple[int, int]:
+        """Nanoseconds the serving process and its writer process have run (schedstat: finer than
+        `cpu_times`' clock ticks, for an idle process's few milliseconds a second)."""
+        return _run_ns(self.proc.pid), sum(_run_ns(c.pid) for c in self.ps.children(recursive=True))
 
     def serving_cpu(self) -> float:
         t = self.ps.cpu_times()
@@ -798,6 +816,12 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
             f" poll query every {args.poll_interval:g} s; {box}; load {load[0]:.2f} {load[1]:.2f};"
             f" {layout}"
         )
+        time.sleep(1.5)  # no request for a while: the loop-lag sampler is at its idle pace
+        idle = min(secs, 3.0)
+        before = proxy.run_ns()
+        time.sleep(idle)
+        used = [(b - a) / idle / 1e6 for a, b in zip(before, proxy.run_ns(), strict=True)]
+        print(f"# idle: serving process {used[0]:.1f} ms of CPU a second, writer {used[1]:.1f} ({idle:g} s)")
         total_req, total_cpu = 0, 0.0
         cpu_k: dict[str, float] = {}
         for i, (name, conns, delay, stream, route, tagged, poll) in enumerate(cases):

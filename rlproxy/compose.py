@@ -272,19 +272,20 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
             "use it, read every run and feed the trainer (see README, Security)",
             settings.host,
         )
-    asgi = AnthropicErrors(  # the Messages routes answer errors in Anthropic's shape, refusals included
-        Limits(
-            Guard(
-                routes_openai.HotPath(api, state),
-                principals,
-                allowed_hosts=allowed_host_names(settings.allowed_hosts, settings.host),
-                cors_origins=tuple(o.strip() for o in settings.cors_origins.split(",") if o.strip()),
-            ),
-            settings.max_body_bytes,
-            settings.max_reward_body_bytes,
-            settings.max_concurrent_requests,
-        )
+    limits = Limits(
+        Guard(
+            routes_openai.HotPath(api, state),
+            principals,
+            allowed_hosts=allowed_host_names(settings.allowed_hosts, settings.host),
+            cors_origins=tuple(o.strip() for o in settings.cors_origins.split(",") if o.strip()),
+        ),
+        settings.max_body_bytes,
+        settings.max_reward_body_bytes,
+        settings.max_concurrent_requests,
     )
+    state.busy = limits.busy  # the loop-lag sampler slows down while no request comes
+    # the Messages routes answer errors in Anthropic's shape, refusals included
+    asgi = AnthropicErrors(limits)
     asgi.state = api.state  # type: ignore[attr-defined]  # the routes' shared state: `.state.proxy`
     return asgi
 

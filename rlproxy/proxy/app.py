@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ class ProxyState:
     drop_headers: frozenset[bytes] = frozenset({b"authorization", b"x-api-key"})
     services: tuple = ()  # started after the backend, stopped before it (the trainer)
     runs: object = None  # proxy.runstate.RunState: which runs are closed (issue 22)
+    busy: Callable[[], bool] = lambda: True  # requests coming? (`Limits.busy`): the loop-lag sampler's pace
     store_file: object = None  # storage.db.StoreFile: the SQLite file deleted or replaced? (issue 22)
     # policies on hosted, text-only upstreams (proxy/hosted.py): declared by the root, opened here
     hosted_specs: dict = field(default_factory=dict)
@@ -135,7 +137,7 @@ def create_app(state: ProxyState) -> FastAPI:
                 state.metrics.attach_upstreams(upstream)
             poll = state.policies.poll(state.engine, settings.policy_poll_interval, backend)  # replicas
             tasks.append(asyncio.create_task(poll, name="rlproxy-policy-poll"))
-            tasks.append(asyncio.create_task(state.metrics.watch_loop(), name="rlproxy-loop-lag"))
+            tasks.append(asyncio.create_task(state.metrics.watch_loop(state.busy), name="rlproxy-loop-lag"))
             tasks.append(
                 asyncio.create_task(_expire_loop(state.engine, settings.run_expiry), name="rlproxy-expiry")
             )

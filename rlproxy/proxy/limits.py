@@ -46,6 +46,8 @@ class Limits:
         self.max_reward_body = max_reward_body
         self.max_in_flight = max_in_flight
         self.in_flight = 0
+        self.started = 0  # requests begun, ever (`busy`)
+        self._seen = 0
 
     def limit(self, path: str) -> int:
         """The body limit of `path` in bytes."""
@@ -90,8 +92,15 @@ class Limits:
 
         await self._call(scope, counted, send)
 
+    def busy(self) -> bool:
+        """Whether a request is in flight or one began since the last call (the loop-lag sampler's
+        pace: `Metrics.watch_loop`)."""
+        began, self._seen = self.started != self._seen, self.started
+        return began or self.in_flight > 0
+
     async def _call(self, scope, receive, send) -> None:
         self.in_flight += 1
+        self.started += 1
         try:
             await self.app(scope, receive, send)
         finally:

@@ -4,23 +4,30 @@ Requests and errors by endpoint and outcome, latency and time-to-first-token his
 writer's own figures read at scrape time: rows captured, write errors, dropped records, queue depth
 and bytes, how long the store has been stalled (and whether that makes it unhealthy), the crash
 journal's size and the records it could not take. The event loop's lag (`rlproxy_event_loop_lag_seconds`):
-how late a timer set every `LAG_INTERVAL_S` fires, i.e. how long any ready request waited for the
-loop at that moment; a stall (blocking work on the loop, a long garbage collection) shows in its
-upper buckets. The judge's calls (trainer/judge.py): count by
-outcome (ok, malformed, error), latency, tokens (its cost), and groups scored or failed.
+how late a timer set every `LAG_INTERVAL_S` fires while requests come (every `LAG_IDLE_INTERVAL_S`
+once none has for `LAG_IDLE_AFTER_S`), i.e. how long any ready request waited for the loop at that
+moment; a stall (blocking work on the loop, a long garbage collection) shows in its upper buckets.
+The judge's calls (trainer/judge.py): count by outcome (ok, malformed, error), latency, tokens (its
+cost), and groups scored or failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-# The lag sampler's period: 100 wake-ups a second (~0.2% of a core); a stall of any length that
-# overlaps a wake-up is seen whole.
+# The lag sampler's period while requests come: 100 wake-ups a second; a stall of any length that
+# overlaps a wake-up is seen whole. Waking an idle process costs far more than the sample: on a 2-core
+# VM 100 wake-ups a second took 20 ms of CPU a second, an idle proxy's whole CPU. So once no request
+# has been in flight for LAG_IDLE_AFTER_S it samples every LAG_IDLE_INTERVAL_S (~1 ms of CPU a second),
+# until a wake-up finds one again (within LAG_IDLE_INTERVAL_S of the first).
 LAG_INTERVAL_S = 0.01
+LAG_IDLE_INTERVAL_S = 0.25
+LAG_IDLE_AFTER_S = 1.0
 _LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -215,7 +222,8 @@ class Metrics:
         )
         self.loop_lag = Histogram(
             "rlproxy_event_loop_lag_seconds",
-            f"how late a timer due every {LAG_INTERVAL_S:g} s fires: what a ready request waits for the loop",
+            f"how late a timer due every {LAG_INTERVAL_S:g} s (every {LAG_IDLE_INTERVAL_S:g} s when no"
+            " request came for a while) fires: what a ready request waits for the loop",
             buckets=_LAG_BUCKETS,
             registry=r,
         )
@@ -271,15 +279,28 @@ class Metrics:
         """Count one group the judge finished: scored or failed."""
         self.judge_groups.labels(outcome).inc()
 
-    async def watch_loop(self, interval: float = LAG_INTERVAL_S) -> None:
-        """Forever: sample the running loop's lag into `loop_lag` (a lifespan task)."""
+    async def watch_loop(
+        self,
+        busy: Callable[[], bool] = lambda: True,
+        interval: float = LAG_INTERVAL_S,
+        idle_interval: float = LAG_IDLE_INTERVAL_S,
+        idle_after: float = LAG_IDLE_AFTER_S,
+    ) -> None:
+        """Forever: sample the running loop's lag into `loop_lag` (a lifespan task), every `interval`
+        seconds, or every `idle_interval` once `busy()` (a request in flight, or one begun since it
+        was last asked: `Limits.busy`) has been false for `idle_after` seconds."""
         # perf_counter, not loop.time(): uvloop's clock is libuv's cached millisecond, so every
         # sample would be a whole millisecond (0, 1, 2 ms) and a 1.0 ms one lands in the 2 ms bucket
         clock = time.perf_counter
         observe = self.loop_lag.observe
+        last_busy = clock()
         while True:
-            due = clock() + interval
-            await asyncio.sleep(interval)
+            now = clock()
+            if busy():
+                last_busy = now
+            step = interval if now - last_busy < idle_after else idle_interval
+            due = now + step
+            await asyncio.sleep(step)
             observe(max(0.0, clock() - due))
 
     def render(self) -> bytes:
