@@ -798,13 +798,18 @@ class Writer:
     async def _next_batch(self) -> list[_Op]:
         """On the writer's loop: wait for work, gather records for up to `flush_interval` unless an
         urgent operation (reward, flush, stop) is queued, then take up to `max_batch` operations in
-        queue order (a stop ends the batch)."""
+        queue order (a stop ends the batch). A reward that finds the writer idle is committed at once:
+        everything before it is committed already, and nothing is coming to share its transaction
+        (a reward posted a while after its run's last turn, as an app scoring an episode does, took
+        REWARD_WAIT_S for nothing)."""
+        idle = not self._inbox
         while not self._inbox:
             await self._sleep_until(_SLEEP_IDLE, None)
         if (
             self._urgent_in == self._urgent_out
             and len(self._inbox) < self.max_batch
             and self.flush_interval > 0
+            and not (idle and isinstance(self._inbox[0], _Reward))
         ):
             window = self.flush_interval
             if self._soon_in != self._soon_out:  # a reward is waiting: not longer than REWARD_WAIT_S

@@ -16,6 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.errors import StorageError
+from rlproxy.storage import writer as writer_module
 from rlproxy.storage.db import create_engine, sqlite_path
 from rlproxy.storage.errors import RewardConflict, RunNotFound, StoreUnavailable
 from rlproxy.storage.records import CompletionRecord
@@ -101,6 +102,30 @@ async def test_a_reward_joins_the_batch_being_gathered(engine: AsyncEngine) -> N
     w.submit(rec("b"))
     assert await reward is True
     assert (w.commits, w.rows_written) == (1, 2)  # `b` came in the reward's transaction
+    await w.close()
+
+
+async def test_a_reward_that_finds_the_writer_idle_is_committed_at_once(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Everything before it is committed and nothing is coming to share its transaction: it does
+    not wait for a batch (with the waits made 10 s, the old writer took 10 s)."""
+    monkeypatch.setattr(writer_module, "REWARD_WAIT_S", 10.0)
+    w = Writer(engine, flush_interval=10.0)
+    await w.start()
+    w.submit(rec("a"))
+    await w.flush()
+    t0 = time.monotonic()
+    assert await w.reward("a", 1.0) is True
+    assert time.monotonic() - t0 < 5
+    # a reward that finds a batch being gathered still joins it (the test above): here the records
+    # that come while the first of two rewards is gathered wait with it, once
+    w.submit(rec("b"))
+    second = asyncio.ensure_future(w.reward("b", 1.0))
+    await asyncio.sleep(0.2)
+    assert not second.done()
+    await w.flush()
+    assert await second is True
     await w.close()
 
 
