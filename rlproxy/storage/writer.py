@@ -12,7 +12,8 @@ queue, so by the time it is applied every completion submitted before it for its
 in the same or an earlier transaction; the caller awaits a future resolved after the commit. A
 reward does not cut the batch short: it is committed with the batch being gathered, within
 `flush_interval` or REWARD_WAIT_S, whichever is shorter (a commit of its own per reward was most
-of the writer's time under tagged traffic with rewards flowing: issue 24).
+of the writer's time under tagged traffic with rewards flowing: issue 24); one that finds the writer
+idle (no batch being gathered) is committed at once.
 
 Several processes (replicas on one PostgreSQL) each run one writer. What keeps them correct is in
 the transaction, not in memory: `seq` comes from the run row's counter (`rows.ensure_runs`, which
