@@ -151,6 +151,7 @@ class _Reward:
     # time.monotonic() past which the caller stopped waiting: not applied then (a writer process
     # knows it without the withdrawal message, which can arrive after its next attempt began)
     deadline: float | None = None
+    queued: float = 0.0  # time.monotonic() when the writer queued it (`_next_batch`)
 
     def withdrawn(self) -> bool:
         return self.future.done() or (self.deadline is not None and time.monotonic() > self.deadline)
@@ -257,6 +258,7 @@ class Writer:
         self._urgent_out = 0  # ...and taken (counted by the writer): flush without waiting for more
         self._soon_in = 0  # rewards queued...
         self._soon_out = 0  # ...and taken: gather for at most REWARD_WAIT_S while one waits
+        self._written_at = 0.0  # time.monotonic() when the writer last committed a batch
         self._conn: AsyncConnection | None = None
         self._task: asyncio.Future[None] | None = None  # the writer task (or its thread) ends
         self._closing = False
@@ -547,6 +549,8 @@ class Writer:
             return
         first = self._soon_in == self._soon_out
         self._soon_in += 1
+        if isinstance(op, _Reward):
+            op.queued = time.monotonic()
         self._inbox.append(op)
         if self._sleep == _SLEEP_IDLE:
             self._signal()
@@ -799,18 +803,18 @@ class Writer:
     async def _next_batch(self) -> list[_Op]:
         """On the writer's loop: wait for work, gather records for up to `flush_interval` unless an
         urgent operation (reward, flush, stop) is queued, then take up to `max_batch` operations in
-        queue order (a stop ends the batch). A reward that finds the writer idle is committed at once:
-        everything before it is committed already, and nothing is coming to share its transaction
-        (a reward posted a while after its run's last turn, as an app scoring an episode does, took
-        REWARD_WAIT_S for nothing)."""
-        idle = not self._inbox
+        queue order (a stop ends the batch). A reward first in the queue that came after the last
+        batch was committed found the writer idle: everything before it is committed, nothing is
+        coming to share its transaction, and it is committed at once (a reward posted a while after
+        its run's last turn, as an app scoring an episode does, waited REWARD_WAIT_S for nothing)."""
         while not self._inbox:
             await self._sleep_until(_SLEEP_IDLE, None)
+        head = self._inbox[0]
         if (
             self._urgent_in == self._urgent_out
             and len(self._inbox) < self.max_batch
             and self.flush_interval > 0
-            and not (idle and isinstance(self._inbox[0], _Reward))
+            and not (isinstance(head, _Reward) and head.queued >= self._written_at)
         ):
             window = self.flush_interval
             if self._soon_in != self._soon_out:  # a reward is waiting: not longer than REWARD_WAIT_S
@@ -893,7 +897,7 @@ class Writer:
                     return
                 await asyncio.sleep(min(0.05 * 2 ** (attempt - 1), MAX_BACKOFF_S))
                 continue
-            self._progress_at = time.monotonic()
+            self._progress_at = self._written_at = time.monotonic()  # before the caller hears of it
             self.last_error = None
             self._to_caller(self._settle, batch, results)
             return
