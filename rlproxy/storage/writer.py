@@ -13,7 +13,8 @@ in the same or an earlier transaction; the caller awaits a future resolved after
 reward does not cut the batch short: it is committed with the batch being gathered, within
 `flush_interval` or REWARD_WAIT_S, whichever is shorter (a commit of its own per reward was most
 of the writer's time under tagged traffic with rewards flowing: issue 24); one that finds the writer
-idle (no batch being gathered) is committed at once.
+idle (no batch being gathered) is committed at once, or REWARD_GAP_S after the last commit when
+rewards come back to back.
 
 Several processes (replicas on one PostgreSQL) each run one writer. What keeps them correct is in
 the transaction, not in memory: `seq` comes from the run row's counter (`rows.ensure_runs`, which
@@ -104,6 +105,10 @@ MAX_BACKOFF_S = 2.0
 PEER_GRACE_S = 1.0
 PEER_RETRY_S = 0.05
 REWARD_WAIT_S = 0.05  # a reward waits for the batch being gathered at most this long (module doc)
+# A reward that finds the writer idle is committed once the last commit is this old (module doc):
+# at once after a pause, and no more than one such commit per REWARD_GAP_S when clients post rewards
+# back to back (each commit's answers let their clients post the next at once)
+REWARD_GAP_S = 0.01
 # A writer process at idle priority (`idle_priority`) goes to the normal priority once it starves:
 # runnable but not running for STARVED_SHARE of the last STARVED_SPAN_S, with operations waiting at
 # every look (one each STARVE_CHECK_S). The kernel counts a wait when it ends, so a starved
@@ -804,9 +809,10 @@ class Writer:
         """On the writer's loop: wait for work, gather records for up to `flush_interval` unless an
         urgent operation (reward, flush, stop) is queued, then take up to `max_batch` operations in
         queue order (a stop ends the batch). A reward first in the queue that came after the last
-        batch was committed found the writer idle: everything before it is committed, nothing is
-        coming to share its transaction, and it is committed at once (a reward posted a while after
-        its run's last turn, as an app scoring an episode does, waited REWARD_WAIT_S for nothing)."""
+        batch was committed found the writer idle: everything before it is committed and nothing is
+        coming to share its transaction, so it is committed once the last commit is REWARD_GAP_S
+        old, at once after a pause (a reward posted a while after its run's last turn, as an app
+        scoring an episode does, waited REWARD_WAIT_S for nothing)."""
         while not self._inbox:
             await self._sleep_until(_SLEEP_IDLE, None)
         head = self._inbox[0]
@@ -814,12 +820,14 @@ class Writer:
             self._urgent_in == self._urgent_out
             and len(self._inbox) < self.max_batch
             and self.flush_interval > 0
-            and not (isinstance(head, _Reward) and head.queued >= self._written_at)
         ):
             window = self.flush_interval
             if self._soon_in != self._soon_out:  # a reward is waiting: not longer than REWARD_WAIT_S
                 window = min(window, REWARD_WAIT_S)
-            await self._sleep_until(_SLEEP_BATCH, window)
+            if isinstance(head, _Reward) and head.queued >= self._written_at:  # it found us idle
+                window = min(window, self._written_at + REWARD_GAP_S - time.monotonic())
+            if window > 0:
+                await self._sleep_until(_SLEEP_BATCH, window)
         batch: list[_Op] = []
         while self._inbox and len(batch) < self.max_batch:
             op = self._inbox.popleft()

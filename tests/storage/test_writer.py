@@ -109,19 +109,25 @@ async def test_a_reward_that_finds_the_writer_idle_is_committed_at_once(
     engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Everything before it is committed and nothing is coming to share its transaction: it does
-    not wait for a batch (with the waits made 10 s, the old writer took 10 s). Right after the
-    batch before it (a flush here) too: the writer may not be back to waiting when it comes."""
-    monkeypatch.setattr(writer_module, "REWARD_WAIT_S", 10.0)
-    w = Writer(engine, flush_interval=10.0)
+    not wait for a batch (with the waits made 30 s, the old writer took 30 s). One that comes right
+    after a commit (clients posting rewards back to back) waits until that commit is REWARD_GAP_S
+    old; one after a pause, not at all."""
+    monkeypatch.setattr(writer_module, "REWARD_WAIT_S", 30.0)
+    monkeypatch.setattr(writer_module, "REWARD_GAP_S", 1.5)
+    w = Writer(engine, flush_interval=30.0)
     await w.start()
     for run in ("a", "b"):
         w.submit(rec(run))
     await w.flush()
     t0 = time.monotonic()
-    assert await w.reward("a", 1.0) is True
-    await asyncio.sleep(0.2)  # the writer waits for work again
+    assert await w.reward("a", 1.0) is True  # right after the flush's commit
+    t1 = time.monotonic()
+    await asyncio.sleep(1.7)  # a pause longer than the gap
+    t2 = time.monotonic()
     assert await w.reward("b", 1.0) is True
-    assert time.monotonic() - t0 < 5
+    t3 = time.monotonic()
+    assert 1.2 <= t1 - t0 < 15, t1 - t0
+    assert t3 - t2 < 1.2, t3 - t2
     assert w.commits == 3
     await w.close()
 
