@@ -9,6 +9,7 @@ completion's (the baseline, measured in the same run: these machines are noisy).
 
     python bench/rewards.py              # 3,000 runs
     python bench/rewards.py --runs 1000 --workers 16
+    python bench/rewards.py --runs 200 --workers 1 --think-ms 100   # an app scoring each episode first
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ import proxy as bench  # noqa: E402  (bench/proxy.py: the stub, `serve` and its 
 BODY = {"model": "stub-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
 
 
-def phase(px: bench.Proxy, workers: int, n: int, call) -> dict:
-    """Run `call(client, i)` for i < n from `workers` threads; serve's CPU per call, rate, latency."""
+def phase(px: bench.Proxy, workers: int, n: int, call, think: float = 0.0) -> dict:
+    """Run `call(client, i)` for i < n from `workers` threads, each `think` seconds after the one
+    before (not timed); serve's CPU per call, rate, latency."""
     local = threading.local()
 
     def one(i: int) -> float:
         client = getattr(local, "client", None)
         if client is None:
             client = local.client = httpx.Client(base_url=px.url, timeout=60)
+        if think:
+            time.sleep(think)
         started = time.perf_counter()
         call(client, i)
         return time.perf_counter() - started
@@ -61,6 +65,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3000)
     ap.add_argument("--workers", type=int, default=48)
+    ap.add_argument("--think-ms", type=float, default=0.0, help="a pause before each reward (scoring)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rlproxy-bench-rewards-"))
     port = bench.free_port()
@@ -83,8 +88,11 @@ def main() -> int:
 
         chat = phase(px, args.workers, args.runs, turn)
         time.sleep(1.0)  # the last turns committed: the rewards find every run
-        rewards = phase(px, args.workers, args.runs, reward)
-        print(f"# bench/rewards.py: {args.runs} runs, {args.workers} threads; {bench.machine()}")
+        rewards = phase(px, args.workers, args.runs, reward, args.think_ms / 1000)
+        print(
+            f"# bench/rewards.py: {args.runs} runs, {args.workers} threads, {args.think_ms:g} ms before"
+            f" each reward; {bench.machine()}"
+        )
         for name, r in (("tagged completion", chat), ("reward", rewards)):
             print(
                 f"  {name:18}: serving {r['serving_us']:6.0f} us, writer {r['writer_us']:5.0f} us of CPU "
