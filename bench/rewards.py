@@ -10,6 +10,10 @@ completion's (the baseline, measured in the same run: these machines are noisy).
     python bench/rewards.py              # 3,000 runs
     python bench/rewards.py --runs 1000 --workers 16
     python bench/rewards.py --runs 200 --workers 1 --think-ms 100   # an app scoring each episode first
+    python bench/rewards.py --runs 1000 --workers 1 --episodes       # a turn, its reward at once, next
+
+`--episodes` adds a third phase: each call is a run's turn and then its reward, as an app that waits
+for each answer and scores it at once does (timed whole, next to the two phases above).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3000)
     ap.add_argument("--workers", type=int, default=48)
     ap.add_argument("--think-ms", type=float, default=0.0, help="a pause before each reward (scoring)")
+    ap.add_argument("--episodes", action="store_true", help="also: a turn and its reward, run by run")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rlproxy-bench-rewards-"))
     port = bench.free_port()
@@ -89,25 +94,34 @@ def main() -> int:
         chat = phase(px, args.workers, args.runs, turn)
         time.sleep(1.0)  # the last turns committed: the rewards find every run
         rewards = phase(px, args.workers, args.runs, reward, args.think_ms / 1000)
+        results = [("tagged completion", chat), ("reward", rewards)]
+        if args.episodes:
+
+            def episode(client: httpx.Client, i: int) -> None:
+                turn(client, args.runs + i)
+                reward(client, args.runs + i)
+
+            results.append(("turn + its reward", phase(px, args.workers, args.runs, episode)))
         print(
             f"# bench/rewards.py: {args.runs} runs, {args.workers} threads, {args.think_ms:g} ms before"
             f" each reward; {bench.machine()}"
         )
-        for name, r in (("tagged completion", chat), ("reward", rewards)):
+        for name, r in results:
             print(
                 f"  {name:18}: serving {r['serving_us']:6.0f} us, writer {r['writer_us']:5.0f} us of CPU "
                 f"each; {r['rate']:5.0f}/s, p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms"
             )
         print(f"  reward / completion, serving CPU: {rewards['serving_us'] / chat['serving_us']:.2f}x")
-        stored = bench.rows_for(tmp / "store.db", "run", args.runs, prefix=True)
+        runs = args.runs * (2 if args.episodes else 1)
+        stored = bench.rows_for(tmp / "store.db", "run", runs, prefix=True)
         con = sqlite3.connect(f"file:{tmp / 'store.db'}?mode=ro", uri=True, timeout=10)
         try:
             rewarded = con.execute("SELECT count(*) FROM runs WHERE reward = 1.0").fetchone()[0]
         finally:
             con.close()
-        ok = stored == rewarded == args.runs
+        ok = stored == rewarded == runs
         verdict = "ok" if ok else "MISSED"
-        print(f"  completions stored {stored}, runs rewarded {rewarded}, of {args.runs}: {verdict}")
+        print(f"  completions stored {stored}, runs rewarded {rewarded}, of {runs}: {verdict}")
         return 0 if ok else 1
     finally:
         if px is not None:

@@ -14,7 +14,7 @@ reward does not cut the batch short: it is committed with the batch being gather
 `flush_interval` or REWARD_WAIT_S, whichever is shorter (a commit of its own per reward was most
 of the writer's time under tagged traffic with rewards flowing: issue 24); one that finds the writer
 idle (no batch being gathered) is committed at once, or REWARD_GAP_S after the last commit when
-rewards come back to back.
+rewards come back to back, and one whose batch holds only its own run's turns ends it at once.
 
 Several processes (replicas on one PostgreSQL) each run one writer. What keeps them correct is in
 the transaction, not in memory: `seq` comes from the run row's counter (`rows.ensure_runs`, which
@@ -109,6 +109,10 @@ REWARD_WAIT_S = 0.05  # a reward waits for the batch being gathered at most this
 # at once after a pause, and no more than one such commit per REWARD_GAP_S when clients post rewards
 # back to back (each commit's answers let their clients post the next at once)
 REWARD_GAP_S = 0.01
+# A reward ends the batch being gathered at once when that batch is its own run's turns alone (at
+# most this many): nothing else is coming to share the transaction (an app that waits for each
+# answer, then posts the reward). With another run's operation in it, it waits (module doc).
+ALONE_MAX = 32
 # A writer process at idle priority (`idle_priority`) goes to the normal priority once it starves:
 # runnable but not running for STARVED_SHARE of the last STARVED_SPAN_S, with operations waiting at
 # every look (one each STARVE_CHECK_S). The kernel counts a wait when it ends, so a starved
@@ -557,10 +561,28 @@ class Writer:
         if isinstance(op, _Reward):
             op.queued = time.monotonic()
         self._inbox.append(op)
-        if self._sleep == _SLEEP_IDLE:
+        if self._sleep == _SLEEP_IDLE or (self._sleep == _SLEEP_BATCH and self._alone()):
             self._signal()
         elif self._sleep == _SLEEP_BATCH and first and self.flush_interval > REWARD_WAIT_S:
             self._to_writer(self._wake_soon)
+
+    def _alone(self) -> bool:
+        """Whether the batch being gathered is one run's turns and its reward alone (at most
+        ALONE_MAX operations). `tuple()` copies the queue in one step under the interpreter lock
+        (the writer's thread may be taking from it)."""
+        if len(self._inbox) > ALONE_MAX:
+            return False
+        runs = set()
+        reward = False
+        for o in tuple(self._inbox):
+            if isinstance(o, _Reward):
+                runs.add(o.run_id)
+                reward = True
+            elif isinstance(o, _Item):
+                runs.add(o.rec.run_id)
+            else:
+                return False
+        return reward and len(runs) == 1
 
     def _wake_soon(self) -> None:
         """On the writer's loop: end the batch being gathered within REWARD_WAIT_S."""
@@ -826,6 +848,8 @@ class Writer:
                 window = min(window, REWARD_WAIT_S)
             if isinstance(head, _Reward) and head.queued >= self._written_at:  # it found us idle
                 window = min(window, self._written_at + REWARD_GAP_S - time.monotonic())
+            elif self._alone():  # one run's turns and its reward: nothing else is coming
+                window = 0
             if window > 0:
                 await self._sleep_until(_SLEEP_BATCH, window)
         batch: list[_Op] = []

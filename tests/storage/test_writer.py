@@ -93,15 +93,18 @@ async def test_reward_flushes_the_runs_completions_first(engine: AsyncEngine) ->
 async def test_a_reward_joins_the_batch_being_gathered(engine: AsyncEngine) -> None:
     """A reward is committed with the records that arrive while its batch gathers (within
     REWARD_WAIT_S), not in a transaction of its own (issue 24: a commit per reward was most of the
-    writer's time under tagged traffic). Before: the reward ended the batch, `b` came in a second."""
+    writer's time under tagged traffic). Before: the reward ended the batch, `b` came in a second.
+    (Another run's turn `x` is in the batch, as under load: a batch of the reward's own run alone
+    is ended by it, the next test.)"""
     w = Writer(engine, flush_interval=0.2)
     await w.start()
+    w.submit(rec("x"))
     w.submit(rec("a"))
     reward = asyncio.ensure_future(w.reward("a", 1.0))
     await asyncio.sleep(0.005)
     w.submit(rec("b"))
     assert await reward is True
-    assert (w.commits, w.rows_written) == (1, 2)  # `b` came in the reward's transaction
+    assert (w.commits, w.rows_written) == (1, 3)  # `b` came in the reward's transaction
     await w.close()
 
 
@@ -129,6 +132,32 @@ async def test_a_reward_that_finds_the_writer_idle_is_committed_at_once(
     assert 1.2 <= t1 - t0 < 15, t1 - t0
     assert t3 - t2 < 1.2, t3 - t2
     assert w.commits == 3
+    await w.close()
+
+
+async def test_a_reward_ends_a_batch_of_its_own_runs_turns_at_once(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An app that waits for each answer, then posts the reward: nothing else is coming to share the
+    transaction, so the reward does not wait for the batch (30 s here). Another run's turn in the
+    batch: it waits, as a reward under load does."""
+    monkeypatch.setattr(writer_module, "REWARD_WAIT_S", 30.0)
+    w = Writer(engine, flush_interval=30.0)
+    await w.start()
+    w.submit(rec("a"))
+    w.submit(rec("a"))
+    t0 = time.monotonic()
+    assert await w.reward("a", 1.0) is True
+    assert time.monotonic() - t0 < 10
+    assert (w.commits, w.rows_written) == (1, 2)
+    w.submit(rec("b"))
+    w.submit(rec("c"))
+    reward = asyncio.ensure_future(w.reward("b", 1.0))
+    await asyncio.sleep(0.5)
+    assert not reward.done()  # "c" may have company coming: the batch is gathered
+    await w.flush()
+    assert await reward is True
+    assert (w.commits, w.rows_written) == (2, 4)
     await w.close()
 
 
