@@ -272,17 +272,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
             "use it, read every run and feed the trainer (see README, Security)",
             settings.host,
         )
-    limits = Limits(
-        Guard(
-            routes_openai.HotPath(api, state),
-            principals,
-            allowed_hosts=allowed_host_names(settings.allowed_hosts, settings.host),
-            cors_origins=tuple(o.strip() for o in settings.cors_origins.split(",") if o.strip()),
-        ),
-        settings.max_body_bytes,
-        settings.max_reward_body_bytes,
-        settings.max_concurrent_requests,
-    )
+    limits = _front(routes_openai.HotPath(api, state), principals, settings)
     state.busy = limits.busy  # the loop-lag sampler slows down while no request comes
     # the Messages routes answer errors in Anthropic's shape, refusals included
     asgi = AnthropicErrors(limits)
@@ -340,9 +330,17 @@ def build_readonly_app(settings: Settings) -> Limits:
     # a key no one holds); without one everything is open, on loopback only unless allowed_hosts.
     agent_key = secrets.token_urlsafe(32) if settings.admin_key else None
     principals = Principals(agent_key, settings.admin_key)
-    asgi = Limits(
+    asgi = _front(api, principals, settings)
+    asgi.state = api.state  # type: ignore[attr-defined]
+    return asgi
+
+
+def _front(app, principals: Principals, settings: Settings) -> Limits:
+    """What every request meets before `app`: the limits (body size, requests in flight), then the
+    guard (keys, allowed hosts, CORS)."""
+    return Limits(
         Guard(
-            api,
+            app,
             principals,
             allowed_hosts=allowed_host_names(settings.allowed_hosts, settings.host),
             cors_origins=tuple(o.strip() for o in settings.cors_origins.split(",") if o.strip()),
@@ -351,5 +349,3 @@ def build_readonly_app(settings: Settings) -> Limits:
         settings.max_reward_body_bytes,
         settings.max_concurrent_requests,
     )
-    asgi.state = api.state  # type: ignore[attr-defined]
-    return asgi
