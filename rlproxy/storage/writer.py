@@ -549,7 +549,9 @@ class Writer:
     def _put_soon(self, op: _Op) -> None:
         """A reward: committed with the batch being gathered (within `flush_interval`), not in a
         transaction of its own. Urgent rewards cost a commit each, and under tagged traffic with
-        rewards flowing most of the writer's time was those commits (issue 24)."""
+        rewards flowing most of the writer's time was those commits (issue 24). It wakes an idle
+        writer, and ends a batch that is its own run's turns alone (`_alone`): nothing else is
+        coming to share either."""
         if self._pending == 0:
             self._progress_at = time.monotonic()
         self._pending += 1
