@@ -1,7 +1,7 @@
 """The one settings object. Every field reads `RLPROXY_<NAME>`; CLI options override it.
 
 The fields are written in groups, one class per concern (server, security, limits, engine, upstream,
-hosted, store, runs, policies, training, trainer, judge, rollout: `GROUPS`), and `Settings` inherits
+hosted, store, runs, policies, training, trainer, judge, rollout, siblings: `GROUPS`), and `Settings` inherits
 them all, so every name stays flat (`settings.judge_model`, `RLPROXY_JUDGE_MODEL`) while a part that
 needs one concern is handed its group: `settings.group(JudgeSettings)` for the judge,
 `settings.group(TrainerConfig)` for the trainer (what is saved with every step).
@@ -592,6 +592,68 @@ class RolloutSettings(BaseModel):
         return value
 
 
+class SiblingSettings(BaseModel):
+    """Siblings: the proxy samples more answers to a stored prompt and scores them (docs/siblings.md)."""
+
+    siblings: str = Field(
+        "off",
+        description="which calls get siblings: off, or a comma list of new (a share of new calls, right "
+        "after the app has its answer), alone (the calls of a rewarded run left alone in its group), "
+        "plateau (the calls of a group skipped for equal rewards); per policy: agent=new,*=off",
+    )
+    siblings_k: int = Field(4, ge=2, le=16, description="answers in a sibling group, the app's own included")
+    siblings_share: float = Field(
+        1.0, ge=0, le=1, description="share of the eligible calls branched (0-1, by completion id)"
+    )
+    siblings_temperature: float | None = Field(
+        None, ge=0, le=2, description="exploration temperature of siblings; None = the call's own"
+    )
+    siblings_calls_per_run: int = Field(
+        2, ge=1, description="calls of one run branched at most (alone, plateau): its first ones"
+    )
+    siblings_max_inflight: int = Field(
+        1, ge=1, description="sibling requests in flight at once on the engine"
+    )
+    siblings_max_share: float = Field(
+        0.5, gt=0, le=1, description="share of wall time sibling requests may keep the engine busy (0-1)"
+    )
+    siblings_queue: int = Field(
+        256, ge=1, description="calls waiting to be branched at most; more are dropped and counted"
+    )
+    siblings_weight: float = Field(
+        1.0, ge=0, description="weight of a sibling group's runs in a step, against 1 for an app run group"
+    )
+    scorer: Literal["checks", "url", "judge"] = Field(
+        "checks",
+        description="what scores a sibling group: checks (built in: tool calls that parse and fit the "
+        "offered schemas, JSON asked by response_format, not cut by max_tokens), url (the app's "
+        "scorer_url), judge (the judge model, candidates side by side)",
+    )
+    scorer_url: str | None = Field(
+        None, description="the app's scorer: POST {request, candidates} -> {scores: [K numbers]}"
+    )
+    scorer_api_key: str | None = Field(None, description="bearer key sent to scorer_url")
+    scorer_timeout: float = Field(30.0, gt=0, description="seconds a scorer call may take")
+    scorer_max_attempts: int = Field(
+        3, ge=1, le=10, description="scorer calls per group before a failure marks it failed"
+    )
+    scorer_max_bytes: int = Field(
+        1_048_576, ge=1024, description="largest scorer answer body read, bytes (larger: a failed call)"
+    )
+    scorer_checks_weight: float = Field(
+        0.0, ge=0, le=1, description="share of the built-in checks in a url or judge score (partial credit)"
+    )
+    shadow_prompts: int = Field(
+        0,
+        ge=0,
+        description="shadow check: stored prompts a new step and the serving step both answer before the "
+        "step serves anyone (0 = off)",
+    )
+    shadow_margin: float = Field(
+        0.05, ge=0, description="the candidate may lose by at most this mean score (else rolled back: shadow)"
+    )
+
+
 # (section, group) in the docs' order; `Settings` inherits them all.
 GROUPS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("server", ServerSettings),
@@ -607,12 +669,14 @@ GROUPS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("trainer", TrainerSettings),
     ("judge", JudgeSettings),
     ("rollout", RolloutSettings),
+    ("siblings", SiblingSettings),
 )
 
 Group = TypeVar("Group", bound=BaseModel)
 
 
 class Settings(
+    SiblingSettings,
     RolloutSettings,
     JudgeSettings,
     TrainerSettings,

@@ -99,6 +99,11 @@ class Run(Base):
         comment='why the run split: JSON list of {"seq", "reason", "at", "of"} (NULL: no break)',
     )
 
+    # siblings (migration 0015; storage/siblings.py): a run the proxy made by sampling a stored prompt
+    branch_of: Mapped[int | None] = mapped_column(
+        Integer, comment="completions.id this sibling run answers again (NULL: an app's run)"
+    )
+
     __table_args__ = (
         Index("ix_runs_status_group", "status", "group_id"),
         Index("ix_runs_created_at", "created_at", "id"),  # newest-first listing with a stable cursor
@@ -305,3 +310,78 @@ class Rollout(Base):
         UniqueConstraint("policy", "candidate_step", name="uq_rollouts_policy_candidate"),
         Index("ix_rollouts_policy_status", "policy", "status"),
     )
+
+
+class SiblingStatus(enum.StrEnum):
+    """Life of a sibling group (migration 0015; storage/siblings.py). Training status is its runs'."""
+
+    sampling = "sampling"  # chosen; the engine has not answered all of its K-1 (or K) requests yet
+    scoring = "scoring"  # every member stored (runs `open`, reward NULL); waiting for its scorer
+    scored = "scored"  # every member has its score (runs `completed`, reward_source 'sibling')
+    failed = "failed"  # sampling or scoring failed for good (`error` says why); never trained
+
+
+class SiblingGroup(Base):
+    """K answers to one stored prompt from one policy step: the app's call and the proxy's siblings.
+
+    Its members are the runs whose `group_id` is this `id` (one completion each, `runs.branch_of` =
+    `completion_id`); their `reward` is the scorer's score, `reward_source` 'sibling'.
+    """
+
+    __tablename__ = "sibling_groups"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True, comment="the members' runs.group_id")
+    completion_id: Mapped[int] = mapped_column(
+        ForeignKey("completions.id", ondelete="CASCADE"), comment="the app's call it branched from"
+    )
+    run_id: Mapped[str | None] = mapped_column(String(128), comment="that call's run (NULL: untagged)")
+    policy: Mapped[str] = mapped_column(String(256), comment="policy that sampled every member")
+    policy_step: Mapped[int | None] = mapped_column(Integer, comment="step that sampled them (0 = base)")
+    k: Mapped[int] = mapped_column(Integer, comment="members, the app's answer included when with_original")
+    with_original: Mapped[bool] = mapped_column(
+        default=True, comment="the app's answer is a member (false: its step was gone, K fresh answers)"
+    )
+    reason: Mapped[str] = mapped_column(String(16), comment="new, alone or plateau (settings.siblings)")
+    temperature: Mapped[float | None] = mapped_column(Float, comment="sampling temperature of the siblings")
+    status: Mapped[str] = mapped_column(
+        String(16), default=SiblingStatus.sampling, comment="sampling, scoring, scored or failed"
+    )
+    scorer: Mapped[str | None] = mapped_column(String(32), comment="checks, url or judge (+checks)")
+    attempts: Mapped[int] = mapped_column(
+        Integer, default=0, server_default="0", comment="scorer calls made so far"
+    )
+    error: Mapped[str | None] = mapped_column(Text, comment="why it failed (the last scorer error)")
+    sampled_tokens: Mapped[int | None] = mapped_column(Integer, comment="tokens the siblings sampled")
+    sample_ms: Mapped[float | None] = mapped_column(Float, comment="engine wall time of the siblings, ms")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    scored_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        UniqueConstraint("completion_id", name="uq_sibling_groups_completion"),  # a call branches once
+        Index("ix_sibling_groups_status", "status", "created_at"),
+    )
+
+
+class ShadowCheck(Base):
+    """A new step and the serving step on the same stored prompts, scored, before the step serves anyone."""
+
+    __tablename__ = "shadow_checks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    policy: Mapped[str] = mapped_column(String(256))
+    candidate_step: Mapped[int] = mapped_column(Integer, comment="the new step")
+    serving_step: Mapped[int] = mapped_column(Integer, comment="the step serving when it ran (0 = base)")
+    status: Mapped[str] = mapped_column(String(16), comment="running, passed, failed (rolled back) or error")
+    prompts: Mapped[int | None] = mapped_column(Integer, comment="prompt pairs scored")
+    candidate_score: Mapped[float | None] = mapped_column(Float, comment="mean score of the candidate")
+    serving_score: Mapped[float | None] = mapped_column(Float, comment="mean score of the serving step")
+    margin: Mapped[float | None] = mapped_column(Float, comment="shadow_margin in force")
+    scorer: Mapped[str | None] = mapped_column(String(32))
+    pairs: Mapped[list[Any] | None] = mapped_column(
+        comment='JSON list of {"completion_id", "candidate", "serving"} scores'
+    )
+    reason: Mapped[str | None] = mapped_column(Text, comment="the decision in words")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (UniqueConstraint("policy", "candidate_step", name="uq_shadow_checks_candidate"),)

@@ -83,8 +83,50 @@ CREATE TABLE runs (
 	metadata JSON /* free JSON posted with the reward */,
 	created_at DATETIME NOT NULL,
 	completed_at DATETIME /* when rewarded */,
-	trained_step INTEGER /* training_steps.step that used it */, status_reason VARCHAR(32) /* why the trainer set its status: no_sibling, zero_variance, stale, no_usable_completion, nonfinite (see storage/training.py) */, reward_source VARCHAR(16) /* app or judge (NULL reward: waiting for the judge) */, judge_explanation TEXT /* the judge's short reason for its score */, judge_rubric TEXT /* rubric named when the run was completed (NULL: the policy's) */, split VARCHAR(8) DEFAULT 'train' NOT NULL /* train, or val: a validation run, served and stored but never trained */, next_seq INTEGER DEFAULT '0' NOT NULL /* seq the run's next completion gets (the writers' counter, see storage/rows.py) */, segments INTEGER /* rows the trainer merged the run's calls into (1: every call extended the last) */, segment_breaks TEXT /* why the run split: JSON list of {"seq", "reason", "at", "of"} (NULL: no break) */,
+	trained_step INTEGER /* training_steps.step that used it */, status_reason VARCHAR(32) /* why the trainer set its status: no_sibling, zero_variance, stale, no_usable_completion, nonfinite (see storage/training.py) */, reward_source VARCHAR(16) /* app or judge (NULL reward: waiting for the judge) */, judge_explanation TEXT /* the judge's short reason for its score */, judge_rubric TEXT /* rubric named when the run was completed (NULL: the policy's) */, split VARCHAR(8) DEFAULT 'train' NOT NULL /* train, or val: a validation run, served and stored but never trained */, next_seq INTEGER DEFAULT '0' NOT NULL /* seq the run's next completion gets (the writers' counter, see storage/rows.py) */, segments INTEGER /* rows the trainer merged the run's calls into (1: every call extended the last) */, segment_breaks TEXT /* why the run split: JSON list of {"seq", "reason", "at", "of"} (NULL: no break) */, branch_of INTEGER,
 	PRIMARY KEY (id)
+);
+
+CREATE TABLE shadow_checks (
+	id INTEGER NOT NULL,
+	policy VARCHAR(256) NOT NULL,
+	candidate_step INTEGER NOT NULL /* the new step */,
+	serving_step INTEGER NOT NULL /* the step serving when it ran (0 = base) */,
+	status VARCHAR(16) NOT NULL /* running, passed, failed (rolled back) or error */,
+	prompts INTEGER /* prompt pairs scored */,
+	candidate_score FLOAT /* mean score of the candidate */,
+	serving_score FLOAT /* mean score of the serving step */,
+	margin FLOAT /* shadow_margin in force */,
+	scorer VARCHAR(32),
+	pairs JSON /* JSON list of {"completion_id", "candidate", "serving"} scores */,
+	reason TEXT /* the decision in words */,
+	created_at DATETIME NOT NULL,
+	finished_at DATETIME,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_shadow_checks_candidate UNIQUE (policy, candidate_step)
+);
+
+CREATE TABLE sibling_groups (
+	id VARCHAR(128) NOT NULL /* the members' runs.group_id */,
+	completion_id INTEGER NOT NULL /* the app's call it branched from */,
+	run_id VARCHAR(128) /* that call's run (NULL: untagged) */,
+	policy VARCHAR(256) NOT NULL /* policy that sampled every member */,
+	policy_step INTEGER /* step that sampled them (0 = base) */,
+	k INTEGER NOT NULL /* members, the app's answer included when with_original */,
+	with_original BOOLEAN NOT NULL /* the app's answer is a member (false: its step was gone, K fresh answers) */,
+	reason VARCHAR(16) NOT NULL /* new, alone or plateau (settings.siblings) */,
+	temperature FLOAT /* sampling temperature of the siblings */,
+	status VARCHAR(16) NOT NULL /* sampling, scoring, scored or failed */,
+	scorer VARCHAR(32) /* checks, url or judge (+checks) */,
+	attempts INTEGER DEFAULT '0' NOT NULL /* scorer calls made so far */,
+	error TEXT /* why it failed (the last scorer error) */,
+	sampled_tokens INTEGER /* tokens the siblings sampled */,
+	sample_ms FLOAT /* engine wall time of the siblings, ms */,
+	created_at DATETIME NOT NULL,
+	scored_at DATETIME,
+	PRIMARY KEY (id),
+	FOREIGN KEY(completion_id) REFERENCES completions (id) ON DELETE CASCADE,
+	CONSTRAINT uq_sibling_groups_completion UNIQUE (completion_id)
 );
 
 CREATE TABLE training_steps (
@@ -118,6 +160,8 @@ CREATE INDEX ix_runs_status ON runs (status);
 CREATE INDEX ix_runs_status_completed ON runs (status, completed_at, id);
 
 CREATE INDEX ix_runs_status_group ON runs (status, group_id);
+
+CREATE INDEX ix_sibling_groups_status ON sibling_groups (status, created_at);
 
 CREATE UNIQUE INDEX ux_completions_capture_id ON completions (capture_id);
 
