@@ -94,10 +94,3 @@ async def step_adapter(engine: AsyncEngine, policy: str, step: int) -> tuple[boo
             )
         ).first()
     return (row is not None, row.adapter_path if row is not None else None)
-
-
-async def policy_origin(engine: AsyncEngine, policy: str) -> dict[str, Any] | None:
-    """The `policies` row of `policy` as a dict, or None when it started from a fresh adapter."""
-    async with engine.connect() as conn:
-        row = (await conn.execute(select(PolicyOrigin).where(PolicyOrigin.name == policy))).first()
-    return dict(row._mapping) if row is not None else None

@@ -17,11 +17,14 @@ from typing import Any
 
 import orjson
 from sqlalchemy import Row, and_, exists, func, or_, select, text, update
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from rlproxy.storage.db import connect_write
+from rlproxy.storage.db import connect_write, create_engine, is_sqlite, normalize_url, sqlite_path
+from rlproxy.storage.errors import NotAStore
 from rlproxy.storage.models import Completion, Run, RunStatus, TrainingStep
 from rlproxy.storage.training import STEP_COLUMNS
+from rlproxy.storage.validation import best_step
 
 log = logging.getLogger(__name__)
 
@@ -218,10 +221,6 @@ STEP_METRICS: dict[str, tuple[str, ...]] = {c: (spec.metric, *spec.older) for c,
 
 def _shown(url: str) -> str:
     """The store as a user names it: a SQLite file's path, else the URL without its password."""
-    from sqlalchemy.engine import make_url
-
-    from rlproxy.storage.db import normalize_url, sqlite_path
-
     try:
         u = make_url(normalize_url(url))
         if u.get_backend_name() == "sqlite":
@@ -241,9 +240,6 @@ async def open_readonly(
 ) -> AsyncEngine:
     """A read-only engine on the store at `url`, checked to be an rlproxy store (`check=False`: any
     database, e.g. for `rlproxy sql`). Raises NotAStore with a sentence saying what is wrong."""
-    from rlproxy.storage.db import create_engine, is_sqlite, sqlite_path
-    from rlproxy.storage.errors import NotAStore
-
     shown = _shown(url)
     path = sqlite_path(url) if is_sqlite(url) else None
     if path is not None and Path(path).is_dir():
@@ -302,8 +298,6 @@ async def step_table(
     columns when the store has them, else from the step's `metrics` JSON; and `best`: True on the
     step whose adapter scored the best validation reward (storage/validation.py best_step).
     """
-    from rlproxy.storage.validation import best_step
-
     limit = max(1, min(int(limit), MAX_LIMIT))
     where = "WHERE policy = :policy " if policy is not None else ""
     q = text(f"SELECT * FROM training_steps {where}ORDER BY finished_at DESC, id DESC LIMIT :limit")

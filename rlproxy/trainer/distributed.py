@@ -55,11 +55,6 @@ COMMAND_TIMEOUT = timedelta(days=365)  # followers wait on rank 0 for as long as
 _PR_SET_PDEATHSIG = 1
 
 
-def is_worker() -> bool:
-    """True in a process torchrun started (it sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 class Ranks:
     """This process's place in the job and the two groups it talks on."""
 
