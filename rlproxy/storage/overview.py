@@ -1,12 +1,14 @@
-"""The reads the dashboard digs in with: runs under filters (with a total, for paging) and the reward
-of every group over time, the skipped ones included.
+"""The reads the dashboard digs in with: runs under filters (with a total, for paging), the reward
+of every group over time (the skipped ones included), one call's sampled tokens with its run's
+cohort, and two steps side by side on the validation prompts.
 
 `find_runs` is `queries.list_runs` with every filter a user reaches for (status, policy, group,
 split, reward range, time range, an id substring) and offset paging with a total count, for an
 operator's page (not the agents' cursor API). `group_rewards` is one row per rewarded group of the
-training split: when its last run was rewarded, its mean and spread, how many runs, and what became
-of it (`trained` at step N, `skipped` with its reason, or still waiting) — the curve of what the
-app's rewards did, whether or not a training step ever came of it.
+training split and outcome (trained at step N, skipped with its reason, failed, waiting, ungrouped):
+the curve of what the app's rewards did, whether or not a training step ever came of it, counted
+as the status cards count runs. `completion_tokens` and `compare_val` feed the token view and the
+comparison of steps.
 """
 
 from __future__ import annotations

@@ -237,7 +237,8 @@ def test_dashboard_routes(proxy):
     # group a's runs were trained by two steps: one point per step, each the mean of its own runs
     a = [(g["outcome"], g["trained_step"], g["runs"]) for g in groups if g["group_id"] == "dash-group-a"]
     assert a == [("trained", 1, 2), ("trained", 2, 2)]
-    assert [g["mean_reward"] for g in groups if g["group_id"] == "dash-group-a"] == pytest.approx([0.05, 0.25])
+    means = [g["mean_reward"] for g in groups if g["group_id"] == "dash-group-a"]
+    assert means == pytest.approx([0.05, 0.25])
     assert by_id["dash-group-b"]["outcome"] == "waiting" and by_id["dash-group-b"]["runs"] == 2
     assert (
         by_id["dash-group-c"]["outcome"] == "skipped" and by_id["dash-group-c"]["reason"] == "zero_variance"

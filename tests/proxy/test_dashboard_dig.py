@@ -63,9 +63,9 @@ async def _store(db_url: str, model_dir: Path, checkpoints: Path) -> None:
             message = {"role": "assistant", "content": f"answer of {rid}", "tool_calls": []}
             await conn.execute(
                 insert(Completion).values(
-                    run_id=rid, seq=0, policy="tiny", policy_step=run.get("step", 0), status="ok",
+                    run_id=rid, seq=0, policy="tiny", policy_step=0, status="ok",
                     endpoint="chat.completions", created_at=at - timedelta(seconds=1),
-                    request={"model": "tiny", "messages": [{"role": "user", "content": f"prompt of {group}"}]},
+                    request={"messages": [{"role": "user", "content": f"prompt of {group}"}]},
                     response={"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]},
                     prompt_token_ids=[1, 2, 3], token_ids=TOKENS, logprobs=LOGPROBS,
                 )

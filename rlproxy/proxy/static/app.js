@@ -1,10 +1,12 @@
 // The dashboard: reads the proxy's JSON routes and draws runs per status, the reward of every group
-// over time, the per-step learning charts, a filterable list of runs, the untagged requests, and a
-// page per run with every call in detail (a call's sampled tokens and the comparison of two steps on
-// the validation prompts are dig.js's). Plain DOM, no framework; every value from the API is set
-// with textContent. The filters, the page of runs and the chart's policy live in the URL's fragment
-// (`#status=skipped&policy=...&offset=25`), so a reload or a shared link shows the same list. The admin key comes from the input field or `#key=` (a fragment: never sent to
-// the server, so never in an access log), and is kept in this browser's localStorage.
+// over time, the per-step learning charts, a filterable list of runs and the untagged requests (the
+// run's page, a call's sampled tokens and two steps compared on the validation prompts are
+// dig.js's). Plain DOM, no framework; every value from the API is set with textContent. The
+// filters, the page of runs and the chart's policy live in the URL's fragment
+// (`#status=skipped&policy=...&offset=25`): a reload or a shared link shows the same list. The admin
+// key comes from the input field or `#key=` (a fragment: never sent to the server, so never in an
+// access log), and is kept in this browser's localStorage. Over 400 lines: the overview's sections
+// share one state, one `api` and the URL's filters; split further, each file would pass them around.
 "use strict";
 
 (function () {
@@ -199,7 +201,7 @@
       const o = by[g.outcome] ? g.outcome : "waiting";
       runs[o] += g.runs;
       by[o].push({
-        x: new Date(g.at).getTime(), y: g.mean_reward, cls: o, id: g.group_id, runs: g.runs,
+        x: new Date(g.at).getTime(), y: g.mean_reward, cls: o, id: g.group_id, r: Math.min(9, 2.5 + Math.sqrt(g.runs)), // area ~ runs
         label: `${when(g.at)} group ${String(g.group_id).slice(0, 16)}: mean reward ${fmt(g.mean_reward)} over ${g.runs} run${g.runs === 1 ? "" : "s"} (${fmt(g.min_reward, 2)}–${fmt(g.max_reward, 2)}), ${g.status}` +
           (g.trained_step !== null && g.trained_step !== undefined ? ` at step ${g.trained_step}` : "") + (g.reason ? ` (${g.reason})` : ""),
       });
@@ -330,93 +332,9 @@
     }
   }
 
-  // --- a run's page: GET /v1/runs/{id}, every call as `rlproxy runs show` has it ---
-  function messagesOf(run) {
-    if (Array.isArray(run.messages) && run.messages.length) {
-      return run.messages.map((m) => ({ role: m.role, content: m.content, tools: m.tool_calls }));
-    }
-    const out = [];
-    for (const c of run.completions || []) {
-      for (const m of (c.request && c.request.messages) || []) out.push({ seq: c.seq, role: m.role, content: m.content, tools: m.tool_calls });
-      const choice = c.response && c.response.choices && c.response.choices[0];
-      if (choice) {
-        const msg = choice.message || { role: "assistant", content: choice.text };
-        out.push({ seq: c.seq, role: msg.role || "assistant", content: msg.content, tools: msg.tool_calls });
-      }
-    }
-    return out;
-  }
-
-  function finishOf(c) {
-    const choice = c.response && c.response.choices && c.response.choices[0];
-    return c.finish_reason || (choice && choice.finish_reason) || "";
-  }
-
-  function toolCalls(c) {
-    const choice = c.response && c.response.choices && c.response.choices[0];
-    const calls = (choice && choice.message && choice.message.tool_calls) || [];
-    return calls.map((t) => `${(t.function && t.function.name) || "?"}(${(t.function && t.function.arguments) || ""})`).join("; ");
-  }
-
+  // --- a run's page, a call's tokens: dig.js ---
   async function showRun(id) {
-    const run = await api(`v1/runs/${encodeURIComponent(id)}`);
-    $("run-title").textContent = `run ${run.id}`;
-    const facts = $("run-facts");
-    facts.replaceChildren();
-    const rows = [
-      ["status", run.status + (run.status_reason ? ` (${run.status_reason})` : "")],
-      ["reward", fmt(run.reward) + (run.reward_source ? ` (${run.reward_source})` : "")],
-      ["group", run.group_id], ["policy", run.policy], ["split", run.split],
-      ["trained at step", run.trained_step], ["created", when(run.created_at)], ["rewarded", when(run.completed_at)],
-      ["metrics", run.metrics ? JSON.stringify(run.metrics) : ""], ["metadata", run.metadata ? JSON.stringify(run.metadata) : ""],
-      ["judge", run.judge_explanation || ""],
-    ];
-    for (const [k, v] of rows) {
-      if (v === null || v === undefined || v === "") continue;
-      facts.append(text("dt", k), text("dd", v));
-    }
-    const tbody = $("calls").querySelector("tbody");
-    tbody.replaceChildren();
-    for (const c of run.completions || []) {
-      const tr = document.createElement("tr");
-      tr.className = "call-row";
-      tr.dataset.completionId = String(c.id);
-      if (String(c.id) === hashParams().get("call")) tr.classList.add("selected");
-      tr.title = "click: this call's sampled tokens and logprobs";
-      tr.addEventListener("click", () => (window.location.hash = `run=${encodeURIComponent(run.id)}&call=${c.id}`));
-      tr.append(
-        text("td", c.seq, "num"), text("td", c.policy_step ?? "", "num"), text("td", c.adapter, "mono"),
-        text("td", c.endpoint), text("td", c.status_code ?? c.status ?? ""), text("td", finishOf(c)),
-        text("td", c.prompt_tokens ?? "", "num"), text("td", c.completion_tokens ?? "", "num"),
-        text("td", fmt(c.latency_ms, 0), "num"), text("td", fmt(c.ttft_ms, 0), "num"),
-        text("td", toolCalls(c), "mono tool"), text("td", when(c.created_at)),
-      );
-      tbody.append(tr);
-      if (c.error) {
-        const err = document.createElement("tr");
-        const td = text("td", `error: ${c.error}`, "mono status-failed");
-        td.colSpan = 12;
-        err.append(td);
-        tbody.append(err);
-      }
-    }
-    const box = $("trajectory");
-    box.replaceChildren();
-    for (const m of messagesOf(run)) {
-      const row = document.createElement("div");
-      row.className = `msg role-${m.role}`;
-      const content = typeof m.content === "string" ? m.content : m.content === null || m.content === undefined ? "" : JSON.stringify(m.content);
-      const tools = Array.isArray(m.tools) ? (m.tools.length ? JSON.stringify(m.tools) : "") : m.tools ? JSON.stringify(m.tools) : "";
-      row.append(text("span", m.role, "role"), text("pre", [content, tools].filter(Boolean).join("\n")));
-      box.append(row);
-    }
-    const call = hashParams().get("call");
-    const tokens = $("tokens");
-    tokens.hidden = !call;
-    if (call) {
-      await window.rlDig.tokens(tokens, api, text, call);
-      tokens.scrollIntoView();
-    }
+    await window.rlDig.run(id, { api, text, fmt, when, $, hash: hashParams() });
     document.body.dataset.loaded = "true";
   }
 

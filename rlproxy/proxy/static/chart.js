@@ -4,8 +4,8 @@
 // opts.xTime: x values are times (ms since the epoch), labelled with their date and time;
 // opts.marks: [{x, label}] vertical dashed lines (the SFT steps); a point's `cls` marks it (skipped).
 // opts.line === false: points only, no line joining them (groups that are unrelated to each other);
-// opts.xFree: x ticks at any value, not only integers (a scatter of two rewards);
-// opts.diagonal: the line y = x (a scatter of arm B against arm A).
+// opts.xFree: x ticks at any value, not only integers (a scatter of two rewards); opts.xMin/xMax;
+// opts.diagonal: the line y = x (a scatter of arm B against arm A); a point's `r` is its radius.
 // Each point is a <circle class="point"> carrying data-x / data-y (and data-series), so tests and
 // people can read the exact numbers back; a band is a <path class="band"> from each point's lo..hi.
 "use strict";
@@ -62,8 +62,8 @@
     const banded = opts.band ? all.filter((p) => Number.isFinite(p.lo) && Number.isFinite(p.hi)) : [];
     const xs = [...all.map((p) => p.x), ...(opts.marks || []).map((m) => m.x).filter(Number.isFinite)];
     const ys = [...all.map((p) => p.y), ...banded.flatMap((p) => [p.lo, p.hi])];
-    let x0 = Math.min(...xs);
-    let x1 = Math.max(...xs);
+    let x0 = opts.xMin !== undefined ? Math.min(opts.xMin, ...xs) : Math.min(...xs);
+    let x1 = opts.xMax !== undefined ? Math.max(opts.xMax, ...xs) : Math.max(...xs);
     if (x0 === x1) { x0 -= 1; x1 += 1; }
     let y0 = opts.yMin !== undefined ? Math.min(opts.yMin, ...ys) : Math.min(...ys);
     let y1 = opts.yMax !== undefined ? Math.max(opts.yMax, ...ys) : Math.max(...ys);
@@ -125,7 +125,7 @@
       }
       const dots = el("g", { class: "points" }, svg);
       for (const p of s.pts) {
-        const attrs = { class: `point ${cls}${p.cls ? ` ${p.cls}` : ""}`, cx: sx(p.x), cy: sy(p.y), r: 3.5, "data-x": p.x, "data-y": p.y };
+        const attrs = { class: `point ${cls}${p.cls ? ` ${p.cls}` : ""}`, cx: sx(p.x), cy: sy(p.y), r: p.r || 3.5, "data-x": p.x, "data-y": p.y };
         if (p.id !== undefined) attrs["data-id"] = p.id;
         if (s.name) attrs["data-series"] = s.name;
         const c = el("circle", attrs, dots);

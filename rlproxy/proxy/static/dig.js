@@ -1,4 +1,6 @@
 // Digging views of the dashboard, called by app.js with its `api` and `text` helpers:
+//   rlDig.run(id, helpers)  a run's page (GET /v1/runs/{id}): facts, one row per call, the trajectory,
+//       and with `#...&call=ID` that call's tokens
 //   rlDig.tokens(box, api, text, completionId)  one call's sampled tokens coloured by logprob, and the
 //       reward of its run beside its group's mean (GET /v1/admin/completions/{id}/tokens)
 //   rlDig.compare(box, api, text, a, b, onPick)  two steps or policies on the same validation prompts:
@@ -72,6 +74,96 @@
     return body;
   }
 
+  // --- a run's page: GET /v1/runs/{id}, every call as `rlproxy runs show` has it ---
+  function messagesOf(run) {
+    if (Array.isArray(run.messages) && run.messages.length) {
+      return run.messages.map((m) => ({ role: m.role, content: m.content, tools: m.tool_calls }));
+    }
+    const out = [];
+    for (const c of run.completions || []) {
+      for (const m of (c.request && c.request.messages) || []) out.push({ seq: c.seq, role: m.role, content: m.content, tools: m.tool_calls });
+      const choice = c.response && c.response.choices && c.response.choices[0];
+      if (choice) {
+        const msg = choice.message || { role: "assistant", content: choice.text };
+        out.push({ seq: c.seq, role: msg.role || "assistant", content: msg.content, tools: msg.tool_calls });
+      }
+    }
+    return out;
+  }
+
+  function finishOf(c) {
+    const choice = c.response && c.response.choices && c.response.choices[0];
+    return c.finish_reason || (choice && choice.finish_reason) || "";
+  }
+
+  function toolCalls(c) {
+    const choice = c.response && c.response.choices && c.response.choices[0];
+    const calls = (choice && choice.message && choice.message.tool_calls) || [];
+    return calls.map((t) => `${(t.function && t.function.name) || "?"}(${(t.function && t.function.arguments) || ""})`).join("; ");
+  }
+
+  async function runPage(id, h) {
+    const { api, text, fmt, when, $ } = h;
+    const run = await api(`v1/runs/${encodeURIComponent(id)}`);
+    $("run-title").textContent = `run ${run.id}`;
+    const facts = $("run-facts");
+    facts.replaceChildren();
+    const rows = [
+      ["status", run.status + (run.status_reason ? ` (${run.status_reason})` : "")],
+      ["reward", fmt(run.reward) + (run.reward_source ? ` (${run.reward_source})` : "")],
+      ["group", run.group_id], ["policy", run.policy], ["split", run.split],
+      ["trained at step", run.trained_step], ["created", when(run.created_at)], ["rewarded", when(run.completed_at)],
+      ["metrics", run.metrics ? JSON.stringify(run.metrics) : ""], ["metadata", run.metadata ? JSON.stringify(run.metadata) : ""],
+      ["judge", run.judge_explanation || ""],
+    ];
+    for (const [k, v] of rows) {
+      if (v === null || v === undefined || v === "") continue;
+      facts.append(text("dt", k), text("dd", v));
+    }
+    const tbody = $("calls").querySelector("tbody");
+    tbody.replaceChildren();
+    for (const c of run.completions || []) {
+      const tr = document.createElement("tr");
+      tr.className = "call-row";
+      tr.dataset.completionId = String(c.id);
+      if (String(c.id) === h.hash.get("call")) tr.classList.add("selected");
+      tr.title = "click: this call's sampled tokens and logprobs";
+      tr.addEventListener("click", () => (window.location.hash = `run=${encodeURIComponent(run.id)}&call=${c.id}`));
+      tr.append(
+        text("td", c.seq, "num"), text("td", c.policy_step ?? "", "num"), text("td", c.adapter, "mono"),
+        text("td", c.endpoint), text("td", c.status_code ?? c.status ?? ""), text("td", finishOf(c)),
+        text("td", c.prompt_tokens ?? "", "num"), text("td", c.completion_tokens ?? "", "num"),
+        text("td", fmt(c.latency_ms, 0), "num"), text("td", fmt(c.ttft_ms, 0), "num"),
+        text("td", toolCalls(c), "mono tool"), text("td", when(c.created_at)),
+      );
+      tbody.append(tr);
+      if (c.error) {
+        const err = document.createElement("tr");
+        const td = text("td", `error: ${c.error}`, "mono status-failed");
+        td.colSpan = 12;
+        err.append(td);
+        tbody.append(err);
+      }
+    }
+    const box = $("trajectory");
+    box.replaceChildren();
+    for (const m of messagesOf(run)) {
+      const row = document.createElement("div");
+      row.className = `msg role-${m.role}`;
+      const content = typeof m.content === "string" ? m.content : m.content === null || m.content === undefined ? "" : JSON.stringify(m.content);
+      const tools = Array.isArray(m.tools) ? (m.tools.length ? JSON.stringify(m.tools) : "") : m.tools ? JSON.stringify(m.tools) : "";
+      row.append(text("span", m.role, "role"), text("pre", [content, tools].filter(Boolean).join("\n")));
+      box.append(row);
+    }
+    const call = h.hash.get("call");
+    const box2 = $("tokens");
+    box2.hidden = !call;
+    if (call) {
+      await tokens(box2, api, text, call);
+      box2.scrollIntoView();
+    }
+  }
+
   const armName = (a) => (a ? `${a.policy}@${a.step}` : "");
 
   async function compare(box, api, text, a, b, onPick) {
@@ -110,7 +202,7 @@
       text(
         "p",
         ps.length
-          ? `${ps.length} prompts both answered: A ${armName(body.a)} mean ${fmt(body.a.mean_reward)}, B ${armName(body.b)} mean ${fmt(body.b.mean_reward)}, B − A ${signed(d)}; B better on ${better}, worse on ${worse}, equal on ${ps.length - better - worse}`
+          ? `${ps.length} prompt${ps.length === 1 ? "" : "s"} both answered: A ${armName(body.a)} mean ${fmt(body.a.mean_reward)}, B ${armName(body.b)} mean ${fmt(body.b.mean_reward)}, B − A ${signed(d)}; B better on ${better}, worse on ${worse}, equal on ${ps.length - better - worse}`
           : `no prompt that both ${armName(body.a)} and ${armName(body.b)} answered`,
         "note",
       ),
@@ -123,7 +215,7 @@
     box.append(svg);
     const points = ps.map((p) => ({ x: p.a_mean, y: p.b_mean, label: `${p.prompt || "?"}: A ${fmt(p.a_mean)} (${p.a_runs} runs), B ${fmt(p.b_mean)} (${p.b_runs} runs)` }));
     svg.dataset.points = String(
-      global.multiChart(svg, [{ name: "prompt", points, cls: "s0" }], { yMin: 0, yMax: 1, xLabel: `A = ${armName(body.a)} (above the diagonal: B better)`, line: false, xFree: true, diagonal: true, empty: "no shared prompt" }),
+      global.multiChart(svg, [{ name: "prompt", points, cls: "s0" }], { xMin: 0, xMax: 1, yMin: 0, yMax: 1, xLabel: `A = ${armName(body.a)} (above the diagonal: B better)`, line: false, xFree: true, diagonal: true, empty: "no shared prompt" }),
     );
     const table = document.createElement("table");
     table.id = "compare-table";
@@ -144,5 +236,5 @@
     return body;
   }
 
-  global.rlDig = { tokens, compare };
+  global.rlDig = { run: runPage, tokens, compare };
 })(window);

@@ -19,8 +19,9 @@
   }
   const fmt = (v) => (v === null || v === undefined ? "" : typeof v === "number" ? v.toFixed(3) : String(v));
 
-  function cell(value) {
+  function cell(value, cls) {
     const td = document.createElement("td");
+    if (cls) td.className = cls;
     td.textContent = value === null || value === undefined ? "" : String(value);
     return td;
   }
@@ -58,8 +59,8 @@
       tr.dataset.id = String(x.id);
       tr.append(
         cell(x.id), cell(x.policy), cell(x.candidate_step), cell(x.incumbent_step), cell(x.status), cell(x.looks),
-        cell(`${fmt(x.candidate_runs)} / ${fmt(x.incumbent_runs)}`),
-        cell(`${fmt(x.candidate_reward)} / ${fmt(x.incumbent_reward)}`), cell(x.reason || ""),
+        cell(`${x.candidate_runs ?? ""} / ${x.incumbent_runs ?? ""}`),
+        cell(`${fmt(x.candidate_reward)} / ${fmt(x.incumbent_reward)}`), cell(x.reason || "", "reason"),
       );
       tr.addEventListener("click", () => (window.location.hash = `id=${x.id}`));
       tbody.append(tr);
