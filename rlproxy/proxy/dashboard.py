@@ -183,11 +183,12 @@ async def training_metrics(request: Request, policy: str | None = None, limit: i
 
 @router.get("/v1/training/groups")
 async def training_groups(request: Request, policy: str | None = None, limit: int = 1000) -> Response:
-    """Every rewarded group over time with its outcome: trained, skipped (and why) or waiting."""
-    rows = await overview.group_rewards(
-        request.app.state.proxy.engine, policy=policy, limit=_limit(limit, 10_000)
-    )
-    return _json({"object": "list", "data": rows})
+    """Every rewarded group over time, one point per outcome: trained, skipped (and why), failed,
+    waiting or ungrouped; `runs` counts the rewarded training runs per outcome, as the status cards."""
+    engine = request.app.state.proxy.engine
+    rows = await overview.group_rewards(engine, policy=policy, limit=_limit(limit, 10_000))
+    runs = await overview.outcome_runs(engine, policy=policy)  # all runs, not only the points drawn
+    return _json({"object": "list", "data": rows, "runs": runs})
 
 
 def _time(value: str | None, name: str) -> datetime | None:

@@ -172,6 +172,25 @@ async def group_rewards(
     ]
 
 
+async def outcome_runs(engine: AsyncEngine, *, policy: str | None = None) -> dict[str, int]:
+    """Rewarded training runs per outcome (`OUTCOMES`), all of them: the group chart's caption, which
+    stays equal to the status cards however many points `group_rewards` was limited to."""
+    query = (
+        select(RUNS.c.status, func.count())
+        .where(RUNS.c.reward.is_not(None), RUNS.c.split == "train", RUNS.c.completed_at.is_not(None))
+        .where(RUNS.c.status.in_(tuple(OUTCOMES)))
+        .group_by(RUNS.c.status)
+    )
+    if policy is not None:
+        query = query.where(RUNS.c.policy == policy)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+    out = dict.fromkeys(OUTCOMES.values(), 0)
+    for status, n in rows:
+        out[OUTCOMES[status]] += int(n)
+    return out
+
+
 async def fullest_waiting_group(engine: AsyncEngine) -> tuple[str, str, int] | None:
     """(policy, group_id, rewarded runs) of the group of rewarded, untrained training runs that holds
     the most (the newest on a tie): what the trainer waits on. None when no run waits."""

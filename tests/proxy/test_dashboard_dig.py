@@ -133,9 +133,11 @@ def test_group_chart_counts_are_the_status_cards(proxy: Any) -> None:
     summed per outcome they are the status cards' counts (today's chart: one "trained" point of 8)."""
     stats = httpx.get(f"{proxy.url}/v1/runs/stats", headers=AUTH).json()["by_status"]
     assert {s: stats.get(s, 0) for s in CARDS} == {"trained": 4, "skipped": 4, "completed": 2, "ungrouped": 1}
-    groups = httpx.get(f"{proxy.url}/v1/training/groups", headers=AUTH).json()["data"]
+    body = httpx.get(f"{proxy.url}/v1/training/groups", headers=AUTH).json()
+    groups = body["data"]
     for status, outcome in CARDS.items():
         assert sum(g["runs"] for g in groups if g["outcome"] == outcome) == stats[status], status
+        assert body["runs"][outcome] == stats[status], status
     fixed = {g["outcome"]: g for g in groups if g["group_id"] == "fixed"}
     assert set(fixed) == {"trained", "skipped"}
     assert fixed["trained"]["mean_reward"] == 0.5 and fixed["trained"]["trained_step"] == 1

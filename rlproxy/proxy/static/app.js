@@ -209,8 +209,9 @@
     const series = OUTCOMES.map(([o, cls]) => ({ name: o, points: by[o], cls })).filter((s) => s.points.length);
     const svg = $("groups-chart");
     svg.dataset.points = String(window.multiChart(svg, series, { yMin: 0, yMax: 1, xLabel: "time of the group's last reward", xTime: true, line: false }));
-    const parts = OUTCOMES.filter(([o]) => runs[o] || o === "skipped").map(([o]) => `${runs[o]} ${o === "waiting" ? "completed (waiting)" : o}`);
-    svg.dataset.runs = JSON.stringify(runs);
+    const total = body.runs || runs; // every run, however many points were drawn (an older proxy: the points')
+    const parts = OUTCOMES.filter(([o]) => total[o] || o === "skipped").map(([o]) => `${total[o]} ${o === "waiting" ? "completed (waiting)" : o}`);
+    svg.dataset.runs = JSON.stringify(total);
     $("groups-note").textContent = groups.length
       ? `${groups.length} points${state.policy ? ` of ${state.policy}` : ""}; rewarded training runs: ${parts.join(", ")}`
       : "no rewarded group yet";
