@@ -13,11 +13,16 @@ database that `serve` and the read-only `rlproxy dashboard` both route here:
 
     GET /v1/training/metrics  the per-step metric columns of `training_steps`, oldest first
     GET /v1/training/groups   every rewarded group over time, skipped ones included (storage/overview.py)
+    GET /v1/training/compare  two steps or policies side by side on the same val prompts (?a=&b=)
     GET /v1/admin/runs        runs under filters with a total, for the page's list and its paging
+    GET /v1/admin/completions/{id}/tokens  one call's sampled tokens, logprobs and its run's cohort
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,11 +39,14 @@ from rlproxy.storage import overview, queries
 from rlproxy.storage.step_columns import STEP_COLUMNS as METRIC_COLUMNS
 from rlproxy.storage.step_columns import STEP_METRIC_COLUMNS
 
+logger = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 # Only these files are served: a fixed list, so no request path ever reaches the file system.
 ASSETS: dict[str, str] = {
     "app.js": "text/javascript; charset=utf-8",
     "chart.js": "text/javascript; charset=utf-8",
+    "dig.js": "text/javascript; charset=utf-8",
+    "rollouts.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
 # The page and its files, public in the route rules (proxy/rules.py; a test keeps them = ASSETS).
@@ -175,11 +183,12 @@ async def training_metrics(request: Request, policy: str | None = None, limit: i
 
 @router.get("/v1/training/groups")
 async def training_groups(request: Request, policy: str | None = None, limit: int = 1000) -> Response:
-    """Every rewarded group over time with its outcome: trained, skipped (and why) or waiting."""
-    rows = await overview.group_rewards(
-        request.app.state.proxy.engine, policy=policy, limit=_limit(limit, 10_000)
-    )
-    return _json({"object": "list", "data": rows})
+    """Every rewarded group over time, one point per outcome: trained, skipped (and why), failed,
+    waiting or ungrouped; `runs` counts the rewarded training runs per outcome, as the status cards."""
+    engine = request.app.state.proxy.engine
+    rows = await overview.group_rewards(engine, policy=policy, limit=_limit(limit, 10_000))
+    runs = await overview.outcome_runs(engine, policy=policy)  # all runs, not only the points drawn
+    return _json({"object": "list", "data": rows, "runs": runs})
 
 
 def _time(value: str | None, name: str) -> datetime | None:
@@ -226,3 +235,49 @@ async def admin_runs(
         offset=offset,
     )
     return _json({"object": "list", "data": runs, "total": total, "offset": offset, "limit": limit})
+
+
+@router.get("/v1/training/compare")
+async def training_compare(request: Request, a: str | None = None, b: str | None = None) -> Response:
+    """Mean val reward per prompt of arm `a` and arm `b` (`policy@step`; default: the two newest)."""
+    try:
+        body = await overview.compare_val(request.app.state.proxy.engine, a, b)
+    except ValueError as exc:
+        raise APIError(
+            422, str(exc), param="a" if a and "@" not in a else "b", code="invalid_value"
+        ) from None
+    return _json(body)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: str) -> Any:
+    """The served model's tokenizer from its local folder (never the network), loaded once."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _decode(path: str, rows: list[list[int]]) -> list[list[str]]:
+    tok = _tokenizer(path)
+    return [[tok.decode([int(t)]) for t in ids] for ids in rows]
+
+
+@router.get("/v1/admin/completions/{completion_id}/tokens")
+async def completion_tokens(request: Request, completion_id: int) -> Response:
+    """One call's sampled token ids and logprobs per choice, their text pieces when the served model's
+    tokenizer is at hand (`pieces`, else null: the read-only dashboard has no model), and the reward
+    and group of its run (advantages are not stored: see storage/overview.py completion_tokens)."""
+    px = request.app.state.proxy
+    body = await overview.completion_tokens(px.engine, completion_id)
+    if body is None:
+        raise APIError(404, f"no completion {completion_id}", code="not_found")
+    body["pieces"] = None
+    path = getattr(px.backend, "model_path", None) if px.backend is not None else None
+    if path and body["token_ids"]:
+        try:
+            body["pieces"] = await asyncio.get_running_loop().run_in_executor(
+                None, _decode, str(path), body["token_ids"]
+            )
+        except Exception as exc:  # no local tokenizer (a remote upstream): ids and logprobs only
+            logger.info("token view: no tokenizer at %s (%s)", path, exc)
+    return _json(body)

@@ -1,7 +1,9 @@
 """The canary panel (issue 28): `GET /rollouts`, a page of its own beside the dashboard, and its data
 `GET /v1/training/rollouts` (operators only: a `/v1/training` route), the newest rollouts and, for
 the newest one (or `?id=N`), both arms' rewarded runs in reward order, which the page draws as each
-arm's running mean reward over time."""
+arm's running mean reward over time. The page carries the dashboard's headers (a CSP with no inline
+script or style, no framing, nosniff); its script is `/dashboard/rollouts.js`, which sets every value
+as text, never as HTML."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 
 from rlproxy.errors import APIError
+from rlproxy.proxy.dashboard import SECURITY_HEADERS
 from rlproxy.storage import rollouts as store
 
 PAGE = Path(__file__).resolve().parent / "static" / "rollouts.html"
@@ -22,7 +25,7 @@ router = APIRouter(tags=["rollouts"])
 @router.get("/rollouts", include_in_schema=False)
 async def page() -> FileResponse:
     """The canary panel (a public route, proxy/rules.py: its data needs the admin key)."""
-    return FileResponse(PAGE, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
+    return FileResponse(PAGE, media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
 
 
 @router.get("/v1/training/rollouts")

@@ -52,7 +52,13 @@ RULES: tuple[Rule, ...] = (
     Rule(("/metrics",), Who.ADMIN, capped=False, what="Prometheus metrics: every client's traffic"),
     Rule(("/",), Who.PUBLIC, what="the dashboard page (it asks for the admin key)"),
     Rule(
-        ("/dashboard/app.js", "/dashboard/chart.js", "/dashboard/style.css"),
+        (
+            "/dashboard/app.js",
+            "/dashboard/chart.js",
+            "/dashboard/dig.js",
+            "/dashboard/rollouts.js",
+            "/dashboard/style.css",
+        ),
         Who.PUBLIC,
         what="the dashboard's scripts and style (proxy/dashboard.py ASSETS)",
     ),

@@ -183,8 +183,9 @@ def proxy(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
 def test_page_and_assets_are_public(proxy):
     page = httpx.get(f"{proxy.url}/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    rollouts = httpx.get(f"{proxy.url}/rollouts")
     for src in ASSETS:
-        assert f'="dashboard/{src}"' in page.text
+        assert f'="dashboard/{src}"' in page.text + rollouts.text  # each file is on a page
         asset = httpx.get(f"{proxy.url}/dashboard/{src}")
         assert asset.status_code == 200 and asset.headers["content-type"] == ASSETS[src]
     assert "http" not in page.text.split("<body>")[1].replace("http://www.w3.org", "")  # nothing from a CDN
@@ -209,7 +210,7 @@ def test_page_and_assets_are_public(proxy):
         assert httpx.get(f"{proxy.url}{path}", headers=auth).status_code == 200, path
         if not path.startswith("/v1/runs/dash"):  # a run by its id is the agents' too (its capability)
             assert httpx.get(f"{proxy.url}{path}", headers=agent).status_code == 403, path
-    assert set(PUBLIC_PATHS) == {"/", "/dashboard/app.js", "/dashboard/chart.js", "/dashboard/style.css"}
+    assert set(PUBLIC_PATHS) == {"/", *(f"/dashboard/{name}" for name in ASSETS)}
 
 
 def test_security_headers(proxy):
@@ -233,8 +234,11 @@ def test_dashboard_routes(proxy):
     auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
     groups = httpx.get(f"{proxy.url}/v1/training/groups?policy=tiny", headers=auth).json()["data"]
     by_id = {g["group_id"]: g for g in groups}
-    assert by_id["dash-group-a"]["outcome"] == "trained" and by_id["dash-group-a"]["trained_step"] == 2
-    assert by_id["dash-group-a"]["mean_reward"] == pytest.approx(0.15)
+    # group a's runs were trained by two steps: one point per step, each the mean of its own runs
+    a = [(g["outcome"], g["trained_step"], g["runs"]) for g in groups if g["group_id"] == "dash-group-a"]
+    assert a == [("trained", 1, 2), ("trained", 2, 2)]
+    means = [g["mean_reward"] for g in groups if g["group_id"] == "dash-group-a"]
+    assert means == pytest.approx([0.05, 0.25])
     assert by_id["dash-group-b"]["outcome"] == "waiting" and by_id["dash-group-b"]["runs"] == 2
     assert (
         by_id["dash-group-c"]["outcome"] == "skipped" and by_id["dash-group-c"]["reason"] == "zero_variance"
@@ -295,9 +299,9 @@ def test_dashboard_in_chromium(proxy, browser_paths, tmp_path):  # noqa: F811
         skipped = points(driver, "#groups-chart circle.point.skipped")
         trained = points(driver, "#groups-chart circle.point.trained")
         waiting = points(driver, "#groups-chart circle.point.waiting")
-        assert [y for _, y in skipped] == [1.0] and trained[0][1] == pytest.approx(0.15)
+        assert [y for _, y in skipped] == [1.0] and [y for _, y in trained] == pytest.approx([0.05, 0.25])
         assert [round(y, 3) for _, y in waiting] == [0.45]
-        assert "1 skipped" in driver.find_element(By.ID, "groups-note").text
+        assert "2 skipped" in driver.find_element(By.ID, "groups-note").text  # runs, as the card counts
 
         # runs per status, and dates in the times
         got = counts(driver)

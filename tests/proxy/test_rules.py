@@ -22,6 +22,8 @@ OLD_PUBLIC = {
     "/",
     "/dashboard/app.js",
     "/dashboard/chart.js",
+    "/dashboard/dig.js",
+    "/dashboard/rollouts.js",
     "/dashboard/style.css",
 }
 OLD_EXEMPT = {"/healthz", "/metrics"}

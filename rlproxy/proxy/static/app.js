@@ -1,8 +1,12 @@
 // The dashboard: reads the proxy's JSON routes and draws runs per status, the reward of every group
-// over time, the per-step learning charts, a filterable list of runs, the untagged requests, and a
-// page per run with every call in detail. Plain DOM, no framework; every value from the API is set
-// with textContent. The admin key comes from the input field or `#key=` (a fragment: never sent to
-// the server, so never in an access log), and is kept in this browser's localStorage.
+// over time, the per-step learning charts, a filterable list of runs and the untagged requests (the
+// run's page, a call's sampled tokens and two steps compared on the validation prompts are
+// dig.js's). Plain DOM, no framework; every value from the API is set with textContent. The
+// filters, the page of runs and the chart's policy live in the URL's fragment
+// (`#status=skipped&policy=...&offset=25`): a reload or a shared link shows the same list. The admin
+// key comes from the input field or `#key=` (a fragment: never sent to the server, so never in an
+// access log), and is kept in this browser's localStorage. Over 400 lines: the overview's sections
+// share one state, one `api` and the URL's filters; split further, each file would pass them around.
 "use strict";
 
 (function () {
@@ -90,7 +94,8 @@
     }
     $("counts-note").textContent = stats.notice || ""; // most runs ungrouped: what to set (docs: Live traffic)
     const select = $("f-status");
-    if (select.options.length === 1) for (const s of Object.keys(counts)) select.append(text("option", s));
+    const known = new Set([...select.options].map((o) => o.value));
+    for (const s of Object.keys(counts)) if (!known.has(s)) select.append(text("option", s));
   }
 
   // --- the policy picker: opens on the server's default_policy (never an empty fork), keeps a choice ---
@@ -181,30 +186,34 @@
       : "no training step yet";
   }
 
-  // --- every rewarded group over time: GET /v1/training/groups (skipped groups are never a step) ---
+  // --- every rewarded group over time: GET /v1/training/groups, one point per group and outcome ---
+  // A group_id the trainer took in several batches is several points (8 runs trained at step 1, 8
+  // skipped), each the mean of its own runs; the caption's run counts are the status cards' counts.
+  // Points only: two groups are unrelated (another prompt), so no line joins them.
+  const OUTCOMES = [["trained", "s0"], ["skipped", "s3"], ["failed", "s5"], ["waiting", "s4"], ["ungrouped", "s6"]];
+
   async function loadGroups() {
     const body = await api(`v1/training/groups?limit=2000${state.policy ? `&policy=${encodeURIComponent(state.policy)}` : ""}`);
     const groups = items(body);
-    const byOutcome = { trained: [], skipped: [], waiting: [] };
+    const by = Object.fromEntries(OUTCOMES.map(([o]) => [o, []]));
+    const runs = Object.fromEntries(OUTCOMES.map(([o]) => [o, 0]));
     for (const g of groups) {
-      const t = new Date(g.at).getTime();
-      (byOutcome[g.outcome] || byOutcome.waiting).push({
-        x: t, y: g.mean_reward, cls: g.outcome, id: g.group_id,
-        label: `${when(g.at)} group ${String(g.group_id).slice(0, 16)}: mean reward ${fmt(g.mean_reward)} over ${g.runs} runs, ${g.outcome}` +
-          (g.trained_step !== null && g.trained_step !== undefined ? ` (step ${g.trained_step})` : "") + (g.reason ? ` (${g.reason})` : ""),
+      const o = by[g.outcome] ? g.outcome : "waiting";
+      runs[o] += g.runs;
+      by[o].push({
+        x: new Date(g.at).getTime(), y: g.mean_reward, cls: o, id: g.group_id, r: Math.min(9, 2.5 + Math.sqrt(g.runs)), // area ~ runs
+        label: `${when(g.at)} group ${String(g.group_id).slice(0, 16)}: mean reward ${fmt(g.mean_reward)} over ${g.runs} run${g.runs === 1 ? "" : "s"} (${fmt(g.min_reward, 2)}–${fmt(g.max_reward, 2)}), ${g.status}` +
+          (g.trained_step !== null && g.trained_step !== undefined ? ` at step ${g.trained_step}` : "") + (g.reason ? ` (${g.reason})` : ""),
       });
     }
-    const series = [
-      { name: "trained", points: byOutcome.trained, cls: "s0" },
-      { name: "skipped", points: byOutcome.skipped, cls: "s3" },
-      { name: "waiting", points: byOutcome.waiting, cls: "s4" },
-    ].filter((s) => s.points.length);
+    const series = OUTCOMES.map(([o, cls]) => ({ name: o, points: by[o], cls })).filter((s) => s.points.length);
     const svg = $("groups-chart");
-    svg.dataset.points = String(window.multiChart(svg, series, { yMin: 0, yMax: 1, xLabel: "time of the group's last reward", xTime: true }));
-    const last = groups.slice(-5);
-    const mean = last.length ? last.reduce((a, g) => a + g.mean_reward, 0) / last.length : NaN;
+    svg.dataset.points = String(window.multiChart(svg, series, { yMin: 0, yMax: 1, xLabel: "time of the group's last reward", xTime: true, line: false }));
+    const total = body.runs || runs; // every run, however many points were drawn (an older proxy: the points')
+    const parts = OUTCOMES.filter(([o]) => total[o] || o === "skipped").map(([o]) => `${total[o]} ${o === "waiting" ? "completed (waiting)" : o}`);
+    svg.dataset.runs = JSON.stringify(total);
     $("groups-note").textContent = groups.length
-      ? `${groups.length} groups (${byOutcome.skipped.length} skipped, ${byOutcome.waiting.length} waiting); the last ${last.length}: mean reward ${fmt(mean)}`
+      ? `${groups.length} points${state.policy ? ` of ${state.policy}` : ""}; rewarded training runs: ${parts.join(", ")}`
       : "no rewarded group yet";
   }
 
@@ -225,9 +234,40 @@
     return f;
   }
 
+  // The filters' inputs <-> the URL's fragment (their raw values: a time stays the browser's local one).
+  const FILTER_INPUTS = [["f-status", "status"], ["f-policy", "policy"], ["f-group", "group"], ["f-split", "split"], ["f-min", "min"], ["f-max", "max"], ["f-since", "since"], ["f-until", "until"], ["f-q", "q"]];
+
+  function saveHash() {
+    const h = new URLSearchParams();
+    for (const [id, name] of FILTER_INPUTS) if ($(id).value.trim()) h.set(name, $(id).value.trim());
+    if (state.offset) h.set("offset", String(state.offset));
+    if (state.chosen && state.policy) h.set("chart", state.policy);
+    const frag = h.toString();
+    history.replaceState(null, "", `${window.location.pathname}${window.location.search}${frag ? `#${frag}` : window.location.hash ? "#" : ""}`);
+    for (const a of document.querySelectorAll("a.back")) a.href = `#${frag}`;
+  }
+
+  function restoreHash() {
+    const h = hashParams();
+    for (const [id, name] of FILTER_INPUTS) {
+      const el = $(id);
+      const v = h.get(name) || "";
+      if (el.tagName === "SELECT" && v && ![...el.options].some((o) => o.value === v)) el.append(text("option", v));
+      el.value = v;
+    }
+    state.filters = readFilters();
+    state.offset = Math.max(0, Number(h.get("offset")) || 0);
+    if (h.get("chart")) {
+      state.policy = h.get("chart");
+      state.chosen = true;
+    }
+    for (const a of document.querySelectorAll("a.back")) a.href = window.location.hash || "#";
+  }
+
   function applyFilters() {
     state.filters = readFilters();
     state.offset = 0;
+    saveHash();
     loadRuns().then(loadCounts).catch(showError);
   }
 
@@ -293,84 +333,18 @@
     }
   }
 
-  // --- a run's page: GET /v1/runs/{id}, every call as `rlproxy runs show` has it ---
-  function messagesOf(run) {
-    if (Array.isArray(run.messages) && run.messages.length) {
-      return run.messages.map((m) => ({ role: m.role, content: m.content, tools: m.tool_calls }));
-    }
-    const out = [];
-    for (const c of run.completions || []) {
-      for (const m of (c.request && c.request.messages) || []) out.push({ seq: c.seq, role: m.role, content: m.content, tools: m.tool_calls });
-      const choice = c.response && c.response.choices && c.response.choices[0];
-      if (choice) {
-        const msg = choice.message || { role: "assistant", content: choice.text };
-        out.push({ seq: c.seq, role: msg.role || "assistant", content: msg.content, tools: msg.tool_calls });
-      }
-    }
-    return out;
-  }
-
-  function finishOf(c) {
-    const choice = c.response && c.response.choices && c.response.choices[0];
-    return c.finish_reason || (choice && choice.finish_reason) || "";
-  }
-
-  function toolCalls(c) {
-    const choice = c.response && c.response.choices && c.response.choices[0];
-    const calls = (choice && choice.message && choice.message.tool_calls) || [];
-    return calls.map((t) => `${(t.function && t.function.name) || "?"}(${(t.function && t.function.arguments) || ""})`).join("; ");
-  }
-
+  // --- a run's page, a call's tokens: dig.js ---
   async function showRun(id) {
-    $("overview").hidden = true;
-    $("run-page").hidden = false;
-    const run = await api(`v1/runs/${encodeURIComponent(id)}`);
-    $("run-title").textContent = `run ${run.id}`;
-    const facts = $("run-facts");
-    facts.replaceChildren();
-    const rows = [
-      ["status", run.status + (run.status_reason ? ` (${run.status_reason})` : "")],
-      ["reward", fmt(run.reward) + (run.reward_source ? ` (${run.reward_source})` : "")],
-      ["group", run.group_id], ["policy", run.policy], ["split", run.split],
-      ["trained at step", run.trained_step], ["created", when(run.created_at)], ["rewarded", when(run.completed_at)],
-      ["metrics", run.metrics ? JSON.stringify(run.metrics) : ""], ["metadata", run.metadata ? JSON.stringify(run.metadata) : ""],
-      ["judge", run.judge_explanation || ""],
-    ];
-    for (const [k, v] of rows) {
-      if (v === null || v === undefined || v === "") continue;
-      facts.append(text("dt", k), text("dd", v));
-    }
-    const tbody = $("calls").querySelector("tbody");
-    tbody.replaceChildren();
-    for (const c of run.completions || []) {
-      const tr = document.createElement("tr");
-      tr.className = "call-row";
-      tr.append(
-        text("td", c.seq, "num"), text("td", c.policy_step ?? "", "num"), text("td", c.adapter, "mono"),
-        text("td", c.endpoint), text("td", c.status_code ?? c.status ?? ""), text("td", finishOf(c)),
-        text("td", c.prompt_tokens ?? "", "num"), text("td", c.completion_tokens ?? "", "num"),
-        text("td", fmt(c.latency_ms, 0), "num"), text("td", fmt(c.ttft_ms, 0), "num"),
-        text("td", toolCalls(c), "mono tool"), text("td", when(c.created_at)),
-      );
-      tbody.append(tr);
-      if (c.error) {
-        const err = document.createElement("tr");
-        const td = text("td", `error: ${c.error}`, "mono status-failed");
-        td.colSpan = 12;
-        err.append(td);
-        tbody.append(err);
-      }
-    }
-    const box = $("trajectory");
-    box.replaceChildren();
-    for (const m of messagesOf(run)) {
-      const row = document.createElement("div");
-      row.className = `msg role-${m.role}`;
-      const content = typeof m.content === "string" ? m.content : m.content === null || m.content === undefined ? "" : JSON.stringify(m.content);
-      const tools = m.tools ? JSON.stringify(m.tools) : "";
-      row.append(text("span", m.role, "role"), text("pre", [content, tools].filter(Boolean).join("\n")));
-      box.append(row);
-    }
+    await window.rlDig.run(id, { api, text, fmt, when, $, hash: hashParams() });
+    document.body.dataset.loaded = "true";
+  }
+
+  // --- two steps or policies on the same validation prompts (dig.js) ---
+  async function showCompare() {
+    const h = hashParams();
+    await window.rlDig.compare($("compare-box"), api, text, h.get("a"), h.get("b"), (a, b) => {
+      window.location.hash = `compare&${new URLSearchParams({ a, b })}`;
+    });
     document.body.dataset.loaded = "true";
   }
 
@@ -379,8 +353,8 @@
   }
 
   async function refresh() {
-    const run = hashParams().get("run");
-    if (run) return; // a run's page does not refresh under the reader
+    const h = hashParams();
+    if (h.has("run") || h.has("compare")) return; // a run's page does not refresh under the reader
     $("error").textContent = "";
     try {
       await loadCounts();
@@ -395,12 +369,14 @@
 
   function route() {
     document.body.dataset.loaded = "";
-    const run = hashParams().get("run");
-    if (run) {
-      showRun(run).catch(showError);
-    } else {
-      $("run-page").hidden = true;
-      $("overview").hidden = false;
+    $("error").textContent = "";
+    const h = hashParams();
+    const page = h.has("run") ? "run-page" : h.has("compare") ? "compare-page" : "overview";
+    for (const id of ["overview", "run-page", "compare-page"]) $(id).hidden = id !== page;
+    if (page === "run-page") showRun(h.get("run")).catch(showError);
+    else if (page === "compare-page") showCompare().catch(showError);
+    else {
+      restoreHash();
       refresh();
     }
   }
@@ -410,6 +386,7 @@
   $("policy").addEventListener("change", () => {
     state.policy = $("policy").value;
     state.chosen = true;
+    saveHash();
     Promise.all([loadSteps(), loadGroups()]).catch(showError);
   });
   $("key-form").addEventListener("submit", (ev) => {
@@ -428,10 +405,12 @@
   });
   $("prev").addEventListener("click", () => {
     state.offset = Math.max(0, state.offset - PAGE);
+    saveHash();
     loadRuns().catch(showError);
   });
   $("next").addEventListener("click", () => {
     state.offset += PAGE;
+    saveHash();
     loadRuns().catch(showError);
   });
   window.addEventListener("hashchange", route);

@@ -3,6 +3,9 @@
 //   multiChart(svg, series, opts)   several series on one axis (clip fractions low / high)
 // opts.xTime: x values are times (ms since the epoch), labelled with their date and time;
 // opts.marks: [{x, label}] vertical dashed lines (the SFT steps); a point's `cls` marks it (skipped).
+// opts.line === false: points only, no line joining them (groups that are unrelated to each other);
+// opts.xFree: x ticks at any value, not only integers (a scatter of two rewards); opts.xMin/xMax;
+// opts.diagonal: the line y = x (a scatter of arm B against arm A); a point's `r` is its radius.
 // Each point is a <circle class="point"> carrying data-x / data-y (and data-series), so tests and
 // people can read the exact numbers back; a band is a <path class="band"> from each point's lo..hi.
 "use strict";
@@ -59,8 +62,8 @@
     const banded = opts.band ? all.filter((p) => Number.isFinite(p.lo) && Number.isFinite(p.hi)) : [];
     const xs = [...all.map((p) => p.x), ...(opts.marks || []).map((m) => m.x).filter(Number.isFinite)];
     const ys = [...all.map((p) => p.y), ...banded.flatMap((p) => [p.lo, p.hi])];
-    let x0 = Math.min(...xs);
-    let x1 = Math.max(...xs);
+    let x0 = opts.xMin !== undefined ? Math.min(opts.xMin, ...xs) : Math.min(...xs);
+    let x1 = opts.xMax !== undefined ? Math.max(opts.xMax, ...xs) : Math.max(...xs);
     if (x0 === x1) { x0 -= 1; x1 += 1; }
     let y0 = opts.yMin !== undefined ? Math.min(opts.yMin, ...ys) : Math.min(...ys);
     let y1 = opts.yMax !== undefined ? Math.max(opts.yMax, ...ys) : Math.max(...ys);
@@ -88,8 +91,8 @@
         el("text", { x: sx(t), y: height - pad.bottom + 16, "text-anchor": anchor }, axes).textContent = `${day} ${time}`;
       }
     } else {
-      for (const t of niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t))) {
-        el("text", { x: sx(t), y: height - pad.bottom + 16, "text-anchor": "middle" }, axes).textContent = String(t);
+      for (const t of niceTicks(x0, x1, 6).filter((t) => opts.xFree || Number.isInteger(t))) {
+        el("text", { x: sx(t), y: height - pad.bottom + 16, "text-anchor": "middle" }, axes).textContent = opts.xFree ? tickLabel(t) : String(t);
       }
     }
     for (const m of opts.marks || []) {
@@ -103,6 +106,11 @@
         opts.xLabel;
     }
 
+    if (opts.diagonal) {
+      const lo = Math.max(x0, y0);
+      const hi = Math.min(x1, y1);
+      if (hi > lo) el("line", { x1: sx(lo), y1: sy(lo), x2: sx(hi), y2: sy(hi), class: "diagonal" }, svg);
+    }
     if (banded.length) {
       const upper = banded.map((p) => `${sx(p.x)},${sy(p.hi)}`);
       const lower = banded.map((p) => `${sx(p.x)},${sy(p.lo)}`).reverse();
@@ -112,10 +120,12 @@
     lines.forEach((s, i) => {
       if (!s.pts.length) return;
       const cls = s.cls || `s${i}`;
-      el("polyline", { class: `line ${cls}`, points: s.pts.map((p) => `${sx(p.x)},${sy(p.y)}`).join(" ") }, svg);
+      if (opts.line !== false) {
+        el("polyline", { class: `line ${cls}`, points: s.pts.map((p) => `${sx(p.x)},${sy(p.y)}`).join(" ") }, svg);
+      }
       const dots = el("g", { class: "points" }, svg);
       for (const p of s.pts) {
-        const attrs = { class: `point ${cls}${p.cls ? ` ${p.cls}` : ""}`, cx: sx(p.x), cy: sy(p.y), r: 3.5, "data-x": p.x, "data-y": p.y };
+        const attrs = { class: `point ${cls}${p.cls ? ` ${p.cls}` : ""}`, cx: sx(p.x), cy: sy(p.y), r: p.r || 3.5, "data-x": p.x, "data-y": p.y };
         if (p.id !== undefined) attrs["data-id"] = p.id;
         if (s.name) attrs["data-series"] = s.name;
         const c = el("circle", attrs, dots);
@@ -128,7 +138,8 @@
       let x = pad.left;
       lines.forEach((s, i) => {
         const cls = s.cls || `s${i}`;
-        el("line", { x1: x, x2: x + 14, y1: 8, y2: 8, class: `line ${cls}` }, legend);
+        if (opts.line === false) el("circle", { cx: x + 7, cy: 8, r: 3.5, class: `key ${cls}` }, legend);
+        else el("line", { x1: x, x2: x + 14, y1: 8, y2: 8, class: `line ${cls}` }, legend);
         const label = el("text", { x: x + 18, y: 12 }, legend);
         label.textContent = s.name || `series ${i + 1}`;
         x += 30 + 7 * label.textContent.length;
