@@ -1,35 +1,28 @@
 """Scorers: what compares the K answers of a sibling group and gives each a number (docs/siblings.md).
 
 A scorer is told the app's request (the conversation up to the call, the tools it offered) and the K
-candidate answers, and returns K finite numbers; only their differences train (the group's baseline
-is their mean). A scorer that fails, times out or answers nonsense raises `ScorerError`: the group
-waits and is tried again, then fails, visibly; it is never trained on a guess. One `score` call is one
-attempt: the caller counts attempts (`scorer_max_attempts`).
+candidate answers, and returns K finite numbers; only their differences train. A scorer that fails,
+times out or answers nonsense raises `ScorerError` (one line): the group waits and is tried again,
+then fails, visibly; it is never trained on a guess. One `score` call is one attempt (the caller
+counts them: `scorer_max_attempts`).
 
-    checks   built in, needs no one (`check_scores`, pure): each candidate's share of the checks that
-             apply to it, in [0, 1]:
-               tools   the request offered tools: no unparsed `<tool_call>` markup left in the content,
-                       every call names an offered tool (the one `tool_choice` names, if it names one)
-                       with arguments that are a JSON object valid against that tool's `parameters`
-                       schema (the `jsonschema` library); no call at all applies only when
-                       `tool_choice` is "required" or names a tool (then it fails), "none" fails any call
-               json    `response_format` json_object / json_schema, on a candidate that makes no tool
-                       call: the content is a JSON object (json_object) or valid against the schema
-               cut     always: `finish_reason` is not "length"
-    url      the app's HTTP endpoint (`scorer_url`, or a key's own): `POST` the wire body below, with
-             `Authorization: Bearer <scorer_api_key>`; it answers 200 `{"scores": [K finite numbers]}`
-    judge    the judge model (trainer/judge.py: its client, endpoint and answer parsing), shown the
-             conversation up to the call and the K candidates side by side with a turn rubric
+    checks   built in (`check_scores`, pure): each candidate's share of the checks that apply to it:
+             tools (offered): no unparsed `<tool_call>` markup; every call names an offered tool (the
+                 one `tool_choice` names) with a JSON object valid against its `parameters` schema
+                 (`jsonschema`); no call counts only under tool_choice "required"/named (a failure);
+                 tool_choice "none" fails any call
+             json (`response_format` json_object / json_schema, a candidate without tool calls): the
+                 content is a JSON object / valid against the schema
+             cut (always): `finish_reason` is not "length"
+    url      the app's endpoint (`scorer_url`, or a key's own): POST `wire_body` with `Authorization:
+             Bearer <scorer_api_key>`; it answers 200 `{"scores": [K finite numbers]}`
+    judge    the judge model (trainer/judge.py: its client, endpoint and parsing), shown the turn's
+             conversation and the K candidates side by side with a turn rubric
 
-`scorer_checks_weight` w > 0 mixes the checks into url or judge: (1 - w) * primary + w * checks
-(name "url+checks", "judge+checks").
+`scorer_checks_weight` w > 0 mixes the checks into url or judge: (1 - w) * primary + w * checks.
 
-The url wire body holds the one group's conversation and nothing else:
-`{"group_id", "policy", "endpoint", "messages", "tools", "response_format", "max_tokens",
-"candidates": [{"index", "content", "tool_calls", "finish_reason"}]}`. `messages` is the chat form of
-the request (what `completions.request` stores for every endpoint; a raw Responses or Messages body
-is converted with `wire/`); a `/v1/completions` call has no messages: `messages` is [] and its text
-prompt is sent as `prompt`.
+(A little over 400 lines: the three scorers share `ScoreRequest`, `chat_form` and the checks that
+each can mix in; apart, each file would hold a fragment of the one contract.)
 """
 
 from __future__ import annotations
@@ -43,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import jsonschema
+import referencing
 
 from rlproxy.errors import ConfigError, RLProxyError
 from rlproxy.settings import JudgeSettings
@@ -157,7 +151,7 @@ def _fits(value: Any, schema: Any) -> bool:
         return True
     try:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        cls(schema).validate(value)
+        cls(schema, registry=referencing.Registry()).validate(value)  # a remote $ref is never fetched
     except jsonschema.ValidationError:
         return False
     except Exception as exc:  # a schema that is itself wrong, or a $ref that cannot be resolved
@@ -245,7 +239,10 @@ class ChecksScorer:
 
 
 def wire_body(req: ScoreRequest) -> dict[str, Any]:
-    """What the url scorer is sent: this group's conversation, tools and candidates, nothing else."""
+    """What the url scorer is sent: this group's conversation, tools and candidates, nothing else.
+
+    `messages` is the request's chat form (`chat_form`); a `/v1/completions` call has none: [] and its
+    text prompt as `prompt`."""
     chat = chat_form(req.request)
     body: dict[str, Any] = {
         "group_id": req.group_id,
@@ -314,9 +311,7 @@ class UrlScorer:
                 status, raw = await self._post(url, wire_body(req), headers)
         except (TimeoutError, httpx.TimeoutException):
             raise ScorerError(f"scorer did not answer within scorer_timeout ({self.timeout:g} s)") from None
-        except ScorerError:
-            raise
-        except Exception as exc:  # httpx's connection and protocol errors
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # connection, protocol, a key's bad url
             raise ScorerError(f"scorer call failed: {type(exc).__name__}: {_one_line(str(exc))}") from exc
         if status != 200:
             text = _one_line(raw[:200].decode("utf-8", "replace"))
@@ -327,9 +322,6 @@ class UrlScorer:
         """(status, body) of one POST, the body read up to `max_bytes` (more: ScorerError)."""
         too_large = ScorerError(f"scorer answer is larger than scorer_max_bytes ({self.max_bytes})")
         async with self.client.stream("POST", url, json=body, headers=headers, timeout=self.timeout) as resp:
-            declared = resp.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > self.max_bytes:
-                raise too_large
             chunks, size = [], 0
             async for chunk in resp.aiter_bytes():
                 size += len(chunk)

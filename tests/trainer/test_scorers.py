@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -115,6 +117,36 @@ def test_tool_choice_required_named_and_none() -> None:
         0.5,
         0.5,
     ]
+
+
+def test_a_remote_schema_ref_is_never_fetched() -> None:
+    """An app's tool schema is data: its `$ref` to a URL is not resolved (jsonschema's default would
+    fetch it, blocking, from wherever it points); the schema then checks nothing."""
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            hits.append(self.path)
+            body = b'{"type": "string"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ref = f"http://127.0.0.1:{server.server_address[1]}/schema.json"
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"$ref": ref}}}
+        r = req({"messages": MESSAGES, "tools": [tool]}, [as_message(call("f", {"a": 1}), "stop")])
+        assert check_scores(r) == [1.0]
+        assert hits == []
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_json_checks_exact() -> None:
@@ -298,6 +330,35 @@ async def test_url_scorer_sends_a_responses_call_as_chat_messages_and_a_keys_own
     assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert (sent["tools"], sent["response_format"], sent["max_tokens"]) == (None, None, None)
     assert "input" not in sent and "instructions" not in sent
+
+
+async def test_url_scorer_sends_a_messages_call_as_chat_messages() -> None:
+    body = {
+        "model": "agent",
+        "max_tokens": 64,
+        "system": "You are a file agent.",
+        "messages": [
+            {"role": "user", "content": "Show me notes.txt"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "t1", "name": "read_file", "input": {"path": "notes.txt"}}
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "hello"}]},
+        ],
+        "tools": [{"name": "read_file", "input_schema": READ_FILE["function"]["parameters"]}],
+    }
+    async with url_scorer(lambda b: JSONResponse({"scores": [0.5]})) as (scorer, server):
+        await scorer.score(req(body, [as_message("It says hello.", "stop")], endpoint="messages"))
+    sent = server.bodies[0]
+    assert [m["role"] for m in sent["messages"]] == ["system", "user", "assistant", "tool"]
+    assert sent["messages"][2]["tool_calls"][0]["function"] == {
+        "name": "read_file",
+        "arguments": '{"path": "notes.txt"}',
+    }
+    assert sent["messages"][3]["content"] == "hello"
+    assert sent["tools"][0]["function"]["name"] == "read_file" and sent["max_tokens"] == 64
 
 
 async def test_url_scorer_without_a_key_sends_no_authorization() -> None:
