@@ -203,12 +203,10 @@ class Judge:
         problem = ""
         for attempt in range(1, c.max_attempts + 1):
             temperature = c.temperature if attempt == 1 else max(c.temperature, RETRY_TEMPERATURE)
-            text, seconds, usage, finish = await self._call(messages, temperature)
             try:
-                scores = parse_scores(text, len(group.runs))
+                scores = await self.ask(messages, len(group.runs), temperature)
             except JudgeOutputError as exc:
-                problem = str(exc) + (" (cut at judge_max_tokens)" if finish == "length" else "")
-                self._observe("malformed", seconds, usage)
+                problem = str(exc)
                 log.info(
                     "judge: malformed answer for group %s (try %d/%d): %s",
                     group.group_id,
@@ -217,7 +215,6 @@ class Judge:
                     exc,
                 )
                 continue
-            self._observe("ok", seconds, usage)
             n = await store_scores(
                 engine,
                 {r.run_id: s for r, s in zip(group.runs, scores, strict=True)},
@@ -243,6 +240,24 @@ class Judge:
             problem,
         )
         return None
+
+    async def ask(
+        self, messages: list[dict[str, str]], n: int, temperature: float
+    ) -> list[tuple[float, str]]:
+        """One judge call read as n (score, explanation) pairs (also the sibling scorer's, scorers.py).
+
+        Raises JudgeOutputError when the answer is malformed and JudgeUnavailable when the judge cannot
+        answer; every call is counted (ok, malformed or error)."""
+        text, seconds, usage, finish = await self._call(messages, temperature)
+        try:
+            scores = parse_scores(text, n)
+        except JudgeOutputError as exc:
+            self._observe("malformed", seconds, usage)
+            if finish == "length":
+                raise JudgeOutputError(f"{exc} (cut at judge_max_tokens)") from exc
+            raise
+        self._observe("ok", seconds, usage)
+        return scores
 
     async def _call(
         self, messages: list[dict[str, str]], temperature: float
