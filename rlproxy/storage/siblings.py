@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, insert, or_, select, update
+from sqlalchemy import and_, exists, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -177,6 +177,12 @@ async def new_calls(engine: AsyncEngine, *, after: int, limit: int = 200) -> tup
             return [], after
         rows = (await conn.execute(q.where(Completion.id <= ids[-1], *_branchable()))).all()
     return [_call(r, "new") for r in rows if _one_choice(r)], int(ids[-1])
+
+
+async def last_completion_id(engine: AsyncEngine) -> int:
+    """The newest stored call's id (0: none): where `new_calls` starts reading."""
+    async with engine.connect() as conn:
+        return int(await conn.scalar(select(func.max(Completion.id))) or 0)
 
 
 async def alone_calls(
