@@ -170,3 +170,221 @@ async def _stream_text(http: httpx.AsyncClient, url: str, body: dict, headers: d
                 for c in json.loads(line[6:]).get("choices", []):
                     out.append((c["index"], c.get("delta"), c.get("logprobs"), c.get("finish_reason")))
     return out
+
+
+# ---------------------------------------------------------------- on a stand-in engine
+
+
+class StandIn:
+    """An engine that answers /v1/completions after `delay` s, counting requests in flight."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.in_flight = 0
+        self.most = 0
+        self.bodies: list[dict] = []
+        self.spans: list[tuple[float, float]] = []
+
+    def app(self) -> Any:
+        from fastapi import FastAPI
+
+        api = FastAPI()
+
+        @api.get("/v1/models")
+        async def models() -> dict:
+            return {"data": [{"id": "base"}]}
+
+        @api.post("/v1/completions")
+        async def completions(body: dict) -> dict:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            self.bodies.append(body)
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+            await asyncio.sleep(self.delay)
+            self.in_flight -= 1
+            self.spans.append((start, loop.time()))
+            choice = {"text": "hi", "finish_reason": "length", "token_ids": [1, 2]}
+            choice["logprobs"] = {"token_logprobs": [-0.5, -0.5]}
+            return {"choices": [{**choice, "index": i} for i in range(body["n"])]}
+
+        return api
+
+
+class Backend:
+    def __init__(self, base_url: str) -> None:
+        self.base_url, self.api_key = base_url, None
+
+
+async def _standin(engine: StandIn) -> tuple[Any, asyncio.Task, str]:
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(engine.app(), port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.02)
+    return server, task, f"http://127.0.0.1:{port}"
+
+
+def _settings(tmp_path: Path, **kw: Any) -> Settings:
+    from rlproxy.storage.db import upgrade
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'sib.db'}"
+    upgrade(url)
+    return Settings(db_url=url, siblings="new", siblings_k=2, siblings_max_share=1.0, **kw)
+
+
+async def _store_calls(settings: Settings, n: int, **kw: Any) -> None:
+    import dataclasses
+
+    from storage.test_writer import rec
+
+    from rlproxy.storage.db import create_engine
+    from rlproxy.storage.writer import Writer
+
+    engine = create_engine(settings.db_url)
+    w = Writer(engine, flush_interval=0.01)
+    await w.start()
+    for i in range(n):
+        r = rec(
+            f"{kw.get('policy', 'p')}-{kw.get('source')}-{i}", i, prompt_token_ids=[5, 6, i], adapter="base"
+        )
+        w.submit(dataclasses.replace(r, **kw))
+    await w.close()
+    await engine.dispose()
+
+
+def _service(settings: Settings, url: str, **kw: Any) -> sib.SiblingService:
+    from rlproxy.proxy.metrics import Metrics
+
+    svc = sib.SiblingService(
+        settings, settings.db_url, Backend(url), serving=lambda p: ("base", 0), poll_interval=0.05, **kw
+    )
+    svc.metrics = Metrics()
+    svc.metrics.attach_siblings(svc)
+    return svc
+
+
+@pytest.mark.parametrize(("inflight", "share"), [(2, 1.0), (1, 0.5)])
+async def test_budget_holds_under_a_burst(tmp_path: Path, inflight: int, share: float) -> None:
+    settings = _settings(tmp_path, siblings_max_inflight=inflight)
+    settings = settings.model_copy(update={"siblings_max_share": share})
+    engine = StandIn(delay=0.15)
+    server, task, url = await _standin(engine)
+    svc = _service(settings, url)
+    await svc.start()
+    try:
+        await _store_calls(settings, 3)  # served by "base", still loaded: K - 1 siblings + the app's
+        await _store_calls(settings, 2, adapter="p@3", run_id=None)  # its step is gone: K fresh answers
+        for _ in range(300):
+            if svc.counts["sampled"] == 3 * 1 + 2 * 2:
+                break
+            await asyncio.sleep(0.05)
+        assert svc.counts["sampled"] == 7
+        assert engine.most == inflight  # the cap is reached and held
+        assert {b.get("priority") for b in engine.bodies} == {10}
+        assert sorted(b["n"] for b in engine.bodies) == [1, 1, 1, 2, 2]
+        assert {b["model"] for b in engine.bodies} == {"base"}
+        db = Path(settings.db_url.split("///")[1])
+        got = rows(db, "SELECT k, with_original, count(*) FROM sibling_groups GROUP BY k, with_original")
+        assert sorted(got) == [(2, 0, 2), (2, 1, 3)]
+        if inflight == 1:  # after a request of t seconds the slot rests t * (1 - s) / s = t
+            spans = sorted(engine.spans)
+            gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
+            assert min(gaps) >= 0.9 * 0.15
+        assert 0 < svc.stats()["share"] <= 1.0
+        text = svc.metrics.render().decode()
+        assert "rlproxy_siblings_sampled_total 7.0" in text and "rlproxy_siblings_in_flight 0.0" in text
+    finally:
+        await svc.stop()
+        server.should_exit = True
+        await task
+
+
+async def test_queue_bound_drops_and_hosted_calls_never_branch(tmp_path: Path) -> None:
+    settings = _settings(tmp_path, siblings_queue=2)
+    svc = _service(settings, "http://127.0.0.1:9", hosted=frozenset({"hp"}))
+    from rlproxy.storage.db import create_engine
+
+    svc._engine = create_engine(settings.db_url)
+    try:
+        await _store_calls(settings, 2, source="hosted")  # a hosted answer
+        await _store_calls(settings, 2, policy="hp")  # a hosted policy
+        assert await svc.poll_once() == 0 and svc.counts["dropped"] == 0
+        await _store_calls(settings, 5)
+        assert await svc.poll_once() == 2
+        assert len(svc.queue) == 2 and svc.counts["dropped"] == 3
+        assert {c.policy for c in svc.queue} == {"p"}
+        assert 'rlproxy_siblings_groups_total{outcome="dropped"} 3.0' in svc.metrics.render().decode()
+        assert "rlproxy_siblings_queue 2.0" in svc.metrics.render().decode()
+    finally:
+        await svc._engine.dispose()
+
+
+async def test_a_scorer_that_fails_is_retried_then_the_group_fails(tmp_path: Path) -> None:
+    from rlproxy.storage import siblings as store
+    from rlproxy.storage.db import create_engine
+    from rlproxy.trainer.scorers import ScorerError
+
+    settings = _settings(tmp_path, scorer_max_attempts=2)
+    svc = _service(settings, "http://127.0.0.1:9")
+    svc._engine = create_engine(settings.db_url)
+    calls: list[ScoreRequest] = []
+
+    class Broken:
+        name = "url"
+
+        async def score(self, req: ScoreRequest) -> list[float]:
+            calls.append(req)
+            raise ScorerError("the scorer answered 500")
+
+    svc.scorer = Broken()
+    try:
+        await _store_calls(settings, 1)
+        (call,), _ = await store.new_calls(svc._engine, after=0)
+        members = [store.Member([3, 4], [-1.0, -1.0], "<tool_call>", "stop")]
+        body = store.sampled_request(
+            "base", call.prompt_ids, max_tokens=4, temperature=1.0, top_p=1.0, stop=None
+        )
+        assert await store.create_group(
+            svc._engine, group_id="g1", call=call, model="base", policy_step=0, members=members,
+            request=body, with_original=True, temperature=1.0, sampled_tokens=2, sample_ms=1.0,
+        )  # fmt: skip
+        assert await svc.score_once() == 0
+        assert len(calls) == 1 and calls[0].request == call.request and len(calls[0].candidates) == 2
+        assert calls[0].candidates[0]["content"] == "a0"  # the app's stored answer
+        assert await svc.score_once() == 0 and len(calls) == 1  # backing off
+        svc._next_try.clear()
+        assert await svc.score_once() == 0 and len(calls) == 2
+        db = Path(settings.db_url.split("///")[1])
+        assert rows(db, "SELECT status, attempts, error FROM sibling_groups") == [
+            ("failed", 2, "the scorer answered 500")
+        ]
+        assert rows(db, "SELECT DISTINCT status, status_reason FROM runs WHERE group_id = 'g1'") == [
+            ("failed", "scorer_failed")
+        ]
+        assert svc.counts["failed"] == 1
+    finally:
+        await svc._engine.dispose()
+
+
+async def test_app_requests_go_first() -> None:
+    from rlproxy.trainer.sibling_budget import Budget
+
+    busy_until = asyncio.get_running_loop().time() + 0.3
+    budget = Budget(1, 1.0, app_busy=lambda: asyncio.get_running_loop().time() < busy_until)
+    await budget.acquire()
+    assert asyncio.get_running_loop().time() >= busy_until
+    budget.release(0.0)
+
+
+def test_modes_parse() -> None:
+    assert sib.parse_modes("off") == {"*": frozenset()}
+    assert sib.parse_modes("new,plateau") == {"*": frozenset({"new", "plateau"})}
+    modes = sib.parse_modes("agent=new+alone,*=off")
+    assert sib.modes_of(modes, "agent") == {"new", "alone"} and sib.modes_of(modes, "x") == frozenset()
+    with pytest.raises(ValueError):
+        sib.parse_modes("sometimes")
+    assert sum(sib.share_hit(i, 0.25) for i in range(4000)) == pytest.approx(1000, rel=0.1)
+    assert sib.share_hit(17, 0.25) == sib.share_hit(17, 0.25)
