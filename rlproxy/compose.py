@@ -273,6 +273,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
                 # judge rewards, before each selection
                 judge=make_judge(settings.group(JudgeSettings), backend, metrics),
                 rollouts=controller,  # canary rollouts (trainer/rollout.py); None: immediate
+                siblings_weight=settings.siblings_weight,  # sibling groups' runs in a step
             )
         )
     siblings = sibling_service(settings, backend, policies, hosted_specs, metrics)

@@ -122,7 +122,8 @@ class RunData:
     reward: float
     completions: list[CompletionData] = field(default_factory=list)
     ungrouped: bool = False  # alone in its group: its baseline is its batch's (batches.baseline_group)
-    sibling: bool = False  # a member of a sibling group (runs.branch_of set): weighted by siblings_weight
+    sibling: bool = False  # a member of a sibling group (runs.branch_of set)
+    weight: float = 1.0  # its advantage's multiplier in a step (a sibling's: siblings_weight)
 
 
 @asynccontextmanager

@@ -12,9 +12,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from storage.test_writer import rec, rows
 
 from rlproxy.storage import siblings
+from rlproxy.storage.judging import judge_groups
 from rlproxy.storage.models import Run, RunStatus
 from rlproxy.storage.records import CompletionRecord
-from rlproxy.storage.training import StatusReason, load_runs, mark_runs, ready_groups
+from rlproxy.storage.training import StatusReason, load_runs, mark_runs, ready_groups, ungroup_runs
 from rlproxy.storage.writer import Writer
 
 PROMPT = [5, 6, 7, 8]
@@ -112,7 +113,10 @@ async def test_group_is_written_once_and_trains_like_one_call_runs(engine: Async
     assert sib.prompt_token_ids == PROMPT and sib.token_ids == [[10, 11]] and sib.logprobs == [[-0.5, -0.25]]
     assert sib.endpoint == "completions" and sib.request["temperature"] == 0.9 and sib.policy_step == 1
     assert sib.response["choices"][0]["finish_reason"] == "stop"
+    # never judged again, even under judge=always (its scorer gave its rewards)
+    assert await judge_groups(engine, group_size=2, group_timeout=0, mode_of=lambda p: "always") == []
     # never ungrouped, and never counted as an app's canary run
+    assert await ungroup_runs(engine, group_timeout=0) == 0
     assert await rows(engine, "SELECT count(*) FROM rollout_runs") == [(0,)]
 
 

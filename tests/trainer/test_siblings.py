@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from support import free_port
 from trainer.serving import serving
 
@@ -388,3 +389,33 @@ def test_modes_parse() -> None:
         sib.parse_modes("sometimes")
     assert sum(sib.share_hit(i, 0.25) for i in range(4000)) == pytest.approx(1000, rel=0.1)
     assert sib.share_hit(17, 0.25) == sib.share_hit(17, 0.25)
+
+
+def test_siblings_weight_scales_their_advantages(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A run's weight (a sibling group's: siblings_weight) scales its gradient: half the weight, half
+    the gradient (the first step's, before any clipping)."""
+    from rlproxy.storage.training import CompletionData, RunData
+    from rlproxy.trainer.config import TrainerConfig
+    from rlproxy.trainer.model import load_policy
+    from rlproxy.trainer.step import make_optimizer, train_step
+
+    config = TrainerConfig(learning_rate=1e-3, checkpoint_dir=str(tmp_path / "ck"), seed=0, max_grad_norm=1e9)
+
+    def runs(weight: float) -> list[RunData]:
+        out = []
+        for i, (reward, tokens) in enumerate([(1.0, [11, 12, 13]), (0.0, [21, 22, 23])]):
+            c = CompletionData(
+                f"m{i}", 0, 0, "completions", {"temperature": 1.0}, None, [5, 17, 42], [tokens], None
+            )
+            out.append(RunData(f"m{i}", "sib-1", "tiny", reward, [c], sibling=True, weight=weight))
+        return out
+
+    norms = []
+    for weight in (1.0, 0.5):
+        model, tok = load_policy(str(tiny_model_dir), config)
+        for name, p in model.named_parameters():  # lora_B starts at zero: no gradient reaches lora_A
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(0))
+        result = train_step(model, tok, make_optimizer(model, config), runs(weight), config)
+        norms.append(result.metrics["loss/grad_norm"])
+    assert norms[1] == pytest.approx(0.5 * norms[0], rel=1e-3)
