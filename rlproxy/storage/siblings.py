@@ -25,6 +25,9 @@ and its members (`open`, reward NULL) in ONE transaction, idempotent on UNIQUE (
 `store_scores` gives each member its score (`reward_source` 'sibling', `completed`) and the group
 `scored`; `fail_scoring` counts an attempt and at `max_attempts` fails the group and its runs
 (`scorer_failed`). A scored group is ready for the trainer at once (training.ready_groups).
+
+(Over 400 lines: the reads that choose calls and the writes of a group's life are one contract over
+the same rows and statuses.)
 """
 
 from __future__ import annotations
@@ -483,7 +486,8 @@ async def fail_scoring(engine: AsyncEngine, group_id: str, error: str, *, max_at
             values["status"] = SiblingStatus.failed
             await conn.execute(
                 update(Run)
-                .where(Run.group_id == group_id, Run.branch_of.is_not(None), Run.status == RunStatus.open)
+                .where(Run.group_id == group_id, Run.branch_of.is_not(None))
+                .where(Run.status.in_((RunStatus.open, RunStatus.expired)))
                 .values(status=RunStatus.failed, status_reason=StatusReason.scorer_failed)
             )
         await conn.execute(update(SiblingGroup).where(SiblingGroup.id == group_id).values(**values))

@@ -9,8 +9,6 @@ Imports nothing of the trainer's: every other trainer module may import it.
 
 from __future__ import annotations
 
-from pydantic import Field
-
 from rlproxy.settings import TrainerSettings
 
 # learning_rate=None: measured 1e-3 for SmolLM2-135M (hidden 576) with LoRA r=8/alpha=16 (LEARNING_FACTS),
@@ -35,8 +33,4 @@ def learning_rate_for(hidden_size: int | None) -> float:
 
 class TrainerConfig(TrainerSettings):
     """Everything a GRPO step needs to know: the settings' trainer group (`settings.group(TrainerConfig)`,
-    or built directly in tests and tools), and `siblings_weight` from the siblings group."""
-
-    siblings_weight: float = Field(
-        1.0, ge=0, description="weight of a sibling group's runs in a step, against 1 for an app run group"
-    )
+    or built directly in tests and tools)."""

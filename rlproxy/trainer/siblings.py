@@ -20,6 +20,9 @@ request is stored with it, so the trainer reads its temperature like any call's.
 of the completion id: reproducible, and never the app's own.
 
 Only asyncio and httpx: the service waits on the store, the engine and the scorer, never on torch.
+
+(Over 400 lines: choosing, sampling and scoring share the queue, the budget and the counters that
+/metrics reads; the budget itself is `sibling_budget.py`, the queries `storage/siblings.py`.)
 """
 
 from __future__ import annotations
@@ -264,7 +267,7 @@ class SiblingService:
                 self._wake.clear()
                 await self._wake.wait()
             await self.budget.acquire()
-            task = asyncio.create_task(self._branch(self.queue.pop(0)))
+            task = asyncio.create_task(self._branch_logged(self.queue.pop(0)))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
@@ -284,6 +287,14 @@ class SiblingService:
         names = frozenset(m["id"] for m in r.json().get("data", []))
         self._models = (time.monotonic(), names)
         return names
+
+    async def _branch_logged(self, call: store.BranchCall) -> None:
+        try:
+            await self._branch(call)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the store failed: the call is not branched (nothing half-written)
+            log.exception("siblings of completion %d not stored", call.completion_id)
 
     async def _branch(self, call: store.BranchCall) -> None:
         """Sample one call's siblings (holding a budget slot) and store its group."""
