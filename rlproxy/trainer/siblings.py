@@ -54,6 +54,7 @@ LOOKBACK = timedelta(hours=1)  # alone/plateau read runs rewarded at most this l
 DEFAULT_MAX_TOKENS = 256  # a call whose request named no limit (module doc)
 MAX_BACKOFF = 60.0  # seconds between two scorer attempts of a group, at most
 MODELS_TTL = 5.0  # seconds a read of the engine's /v1/models is trusted
+NEW_PAGES = 10  # pages of new calls read in one poll, at most
 SEEN_MAX = 100_000  # alone/plateau calls remembered as already offered
 
 
@@ -224,9 +225,13 @@ class SiblingService:
         """Queue the calls to branch that were stored or became eligible since the last poll."""
         wanted = {m for modes in self.modes.values() for m in modes}
         calls: list[store.BranchCall] = []
-        if "new" in wanted:
-            got, self.cursor = await store.new_calls(self._engine, after=self.cursor)
-            calls += got
+        if "new" in wanted:  # a burst of calls is read in pages (up to NEW_PAGES a poll)
+            for _ in range(NEW_PAGES):
+                before = self.cursor
+                got, self.cursor = await store.new_calls(self._engine, after=self.cursor)
+                calls += got
+                if self.cursor == before:
+                    break
         per_run = self.settings.siblings_calls_per_run
         if "alone" in wanted:
             calls += await store.alone_calls(self._engine, since=self.since, calls_per_run=per_run)
