@@ -2,6 +2,9 @@
 
     settings ─> backend ─> policies, train gate ─> trainer service ─> FastAPI app + routes ─> ASGI stack
 
+With `siblings` on, a `SiblingService` (trainer/siblings.py) samples more answers to stored calls
+and scores them, paced against the app's requests in flight (`Limits`).
+
 The trainer is wired to the proxy here and nowhere else: it calls `policies.set_step` after it
 publishes an adapter (the swap) and `gate.set_training` while a step trains. With `init_adapter`,
 an `InitAdapter` service starts before it (policies without steps start from that LoRA, step 1).
@@ -175,6 +178,41 @@ def canary_router(settings: Settings, policies: Policies, metrics: Metrics) -> A
     return RolloutService(router, None, settings.policy_poll_interval)
 
 
+def sibling_service(
+    settings: Settings, backend: Backend, policies: Policies, hosted_specs: dict[str, Any], metrics: Metrics
+) -> Any:
+    """The siblings service (trainer/siblings.py), or None when `siblings` is off: nothing of it is
+    built or imported then. It samples on the backend directly (never through the proxy's capture),
+    with the engine priority only where it is honoured: the embedded engine always, a launched vLLM
+    only under `--scheduling-policy priority` (vLLM refuses a priority otherwise), an attached
+    server never."""
+    if settings.siblings.strip() in ("", "off"):
+        return None
+    from rlproxy.trainer import resample
+    from rlproxy.trainer.siblings import SiblingService
+
+    if isinstance(backend, VLLMBackend):
+        honoured = not settings.upstream and "priority" in settings.vllm_args
+        priority = resample.SIBLING_PRIORITY if honoured else None
+    else:
+        priority = resample.SIBLING_PRIORITY
+
+    def serving(policy: str) -> tuple[str, int]:
+        step = policies.step(policy)
+        return policies.upstream_model(policy, step), step
+
+    return SiblingService(
+        settings,
+        normalize_url(settings.db_url),
+        backend,
+        serving=serving,
+        hosted=frozenset(hosted_specs),
+        priority=priority,
+        poll_interval=settings.poll_interval,  # the trainer's: how often the store is read
+        metrics=metrics,
+    )
+
+
 class InitAdapter:
     """A service started before the trainer: `init_adapter`, then the started policies served at step 1."""
 
@@ -235,8 +273,12 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
                 # judge rewards, before each selection
                 judge=make_judge(settings.group(JudgeSettings), backend, metrics),
                 rollouts=controller,  # canary rollouts (trainer/rollout.py); None: immediate
+                siblings_weight=settings.siblings_weight,  # sibling groups' runs in a step
             )
         )
+    siblings = sibling_service(settings, backend, policies, hosted_specs, metrics)
+    if siblings is not None:
+        services.append(siblings)
     if rollout is not None:
         services.insert(0, rollout)
         if controller is not None:  # this replica routes by a decision as soon as it is written
@@ -274,6 +316,8 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
         )
     limits = _front(routes_openai.HotPath(api, state), principals, settings)
     state.busy = limits.busy  # the loop-lag sampler slows down while no request comes
+    if siblings is not None:  # siblings wait (a while) while the app has requests in flight
+        siblings.budget.app_busy = lambda: limits.in_flight > 0
     # the Messages routes answer errors in Anthropic's shape, refusals included
     asgi = AnthropicErrors(limits)
     asgi.state = api.state  # type: ignore[attr-defined]  # the routes' shared state: `.state.proxy`

@@ -157,6 +157,7 @@ async def run_trainer(settings: Settings, ranks: Any = None) -> None:
             judge=make_judge(settings.group(JudgeSettings), backend),
             train_fn=leader.train_step if leader is not None else None,
             rollouts=controller_from(settings),  # canary rollouts are judged where the trainer runs
+            siblings_weight=settings.siblings_weight,
         )
         try:
             await service.start()

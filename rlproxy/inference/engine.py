@@ -14,6 +14,9 @@ first calls) are prefilled once and their KV copied to each row; a prompt that s
 already seen under the same adapter reuses their KV from the prefix cache (`prefix_cache.py`) and
 prefills only the rest; only the last position's logits are computed (`logits_to_keep=1`).
 
+Priority (issue 54): waiting requests are admitted lowest `priority` first, FIFO within a priority,
+so an app request (0) waiting for a free row goes before the proxy's own sibling requests (10).
+
 Cancellation (issue 22): `cancel` goes through the inbox behind the request it names, so it can
 never be lost; the worker drops the rows between two decode steps and frees their slots at once.
 
@@ -73,6 +76,7 @@ class GenRequest:
     sink: Callable[[RowDelta], None]
     n: int = 1
     adapter: str | None = None  # adapter name, None = base model
+    priority: int = 0  # admitted lowest first, FIFO within a priority (app 0, siblings 10)
 
 
 @dataclass
@@ -255,6 +259,7 @@ class Engine:
                     fut.set_result(fn())
                 except BaseException as exc:  # delivered to the caller, never raised here
                     fut.set_exception(exc)
+        waiting.sort(key=_priority)  # lowest priority first; the sort is stable: FIFO within one
 
     def _drop_cancelled(self, waiting: list[GenRequest]) -> None:
         if not self._cancelled:
@@ -451,6 +456,10 @@ class Engine:
             except Exception:
                 log.exception("could not fail a row")
         self._rows, self._cache, self._mask = [], None, None
+
+
+def _priority(req: GenRequest) -> int:
+    return req.priority
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

@@ -30,6 +30,7 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
+    priority: int = 0  # vLLM's field: lower is admitted first (siblings send 10, app requests 0)
 
     def sampling(
         self, max_tokens: int | None, logprobs: bool, top_logprobs: int, defaults: dict[str, float]

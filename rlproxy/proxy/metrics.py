@@ -8,7 +8,8 @@ how late a timer set every `LAG_INTERVAL_S` fires while requests come (every `LA
 once none has for `LAG_IDLE_AFTER_S`), i.e. how long any ready request waited for the loop at that
 moment; a stall (blocking work on the loop, a long garbage collection) shows in its upper buckets.
 The judge's calls (trainer/judge.py): count by outcome (ok, malformed, error), latency, tokens (its
-cost), and groups scored or failed.
+cost), and groups scored or failed. Siblings (trainer/siblings.py): answers, tokens and engine
+seconds sampled, groups by outcome, the queue, requests in flight and the last minute's engine share.
 """
 
 from __future__ import annotations
@@ -176,6 +177,44 @@ class _UpstreamsCollector:
         return [inflight, healthy, ejections]
 
 
+class _SiblingsCollector:
+    """The siblings service's figures (trainer/siblings.py `stats()`), read at scrape time."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def collect(self):
+        s = self.service.stats()
+        for name, doc, key in (
+            ("rlproxy_siblings_sampled", "sibling answers sampled and stored", "sampled"),
+            ("rlproxy_siblings_tokens", "tokens the sibling answers sampled", "tokens"),
+            (
+                "rlproxy_siblings_engine_seconds",
+                "wall time of sibling requests on the engine",
+                "engine_seconds",
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=s[key])
+        groups = CounterMetricFamily(
+            "rlproxy_siblings_groups",
+            "sibling groups by outcome: scored, failed (sampling or scorer), dropped (queue full)",
+            labels=["outcome"],
+        )
+        for outcome in ("scored", "failed", "dropped"):
+            groups.add_metric([outcome], s[outcome])
+        yield groups
+        for name, doc, key in (
+            ("rlproxy_siblings_queue", "calls waiting to be branched", "queue"),
+            ("rlproxy_siblings_in_flight", "sibling requests on the engine now", "in_flight"),
+            (
+                "rlproxy_siblings_engine_share",
+                "share of the last minute with a sibling request on the engine (0-1)",
+                "share",
+            ),
+        ):
+            yield GaugeMetricFamily(name, doc, value=s[key])
+
+
 class Metrics:
     """The proxy's metrics; `observe` is called once per proxied request."""
 
@@ -243,6 +282,10 @@ class Metrics:
         """Report `writer`'s figures; the store counts as unhealthy after `unhealthy_after` s stalled."""
         self._writer.writer = writer
         self._writer.unhealthy_after = unhealthy_after
+
+    def attach_siblings(self, service) -> None:
+        """Report the siblings service's figures (`rlproxy_siblings_*`)."""
+        self.registry.register(_SiblingsCollector(service))
 
     def attach_runs(self, runs) -> None:
         """Report `runs`' (a `runstate.RunState`) late turns."""

@@ -105,6 +105,7 @@ async def judge_groups(
         )
         .where(_status_is(engine, RunStatus.completed), Run.group_id.is_not(None), Run.policy.is_not(None))
         .where(Run.reward.is_not(None) | judged)
+        .where(Run.branch_of.is_(None))  # sibling groups have their own scorer (storage/siblings.py)
         .group_by(Run.policy, Run.group_id)
     )
     cutoff = now - timedelta(seconds=group_timeout)

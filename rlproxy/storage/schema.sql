@@ -202,6 +202,7 @@ FROM (
     FROM rollouts ro
     JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
         AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
+        AND r.branch_of IS NULL
 ) AS a
 WHERE step = last_step AND step IN (candidate_step, incumbent_step);
 

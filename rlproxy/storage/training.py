@@ -19,7 +19,8 @@ the step's runs to `trained` only if every one is still `completed` (or `ungroup
 `training_steps` row; anything else rolls back and raises `StepConflict`.
 
 (Over 400 lines: the selection of groups and the exactly-once commit are one contract over the same
-statuses and indexes; the column list is `step_columns.py`, judging `judging.py`.)
+statuses and indexes; the column list is `step_columns.py`, judging `judging.py`, siblings
+`siblings.py`.)
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ TRAIN_SPLIT = Run.split == "train"
 # Who gave a run its reward (app, judge): groups and ungrouped batches are kept apart by it, so app
 # rewards and judge scores never share one baseline (issue 22; NULL on rows older than the column)
 SOURCE = func.coalesce(Run.reward_source, "app")
+SIBLING = "sibling"  # reward_source of a sibling group's members (storage/siblings.py)
 NOTICE_MIN_RUNS = 20  # fewer rewarded runs are too few to say that most tasks are unique
 
 
@@ -67,6 +69,7 @@ class StatusReason(enum.StrEnum):
     nonfinite = "nonfinite"  # failed: its steps' loss or gradient was not finite, again and again
     judge_failed = "judge_failed"  # failed: the judge's answers for its group stayed malformed (judging.py)
     judge_off = "judge_off"  # failed: completed for the judge, but the judge is off for its policy
+    scorer_failed = "scorer_failed"  # failed: a sibling group's scorer failed scorer_max_attempts times
     hosted = "hosted"  # skipped: a hosted (text-only) upstream answered it: SFT data, never a GRPO sample
 
 
@@ -119,6 +122,8 @@ class RunData:
     reward: float
     completions: list[CompletionData] = field(default_factory=list)
     ungrouped: bool = False  # alone in its group: its baseline is its batch's (batches.baseline_group)
+    sibling: bool = False  # a member of a sibling group (runs.branch_of set)
+    weight: float = 1.0  # its advantage's multiplier in a step (a sibling's: siblings_weight)
 
 
 @asynccontextmanager
@@ -162,7 +167,11 @@ async def ready_groups(
     now: datetime | None = None,
     policy: str | None = None,
 ) -> list[ReadyGroup]:
-    """Every ready group (optionally of one policy), the one waiting longest first."""
+    """Every ready group (optionally of one policy), the one waiting longest first.
+
+    A sibling group (reward_source 'sibling', storage/siblings.py) is ready as soon as it is scored,
+    whatever `group_size`: its members are written and scored at once, no run of it is still coming.
+    """
     now = now or datetime.now(UTC)
     newest = func.max(func.coalesce(Run.completed_at, Run.created_at))
     q = (
@@ -182,7 +191,9 @@ async def ready_groups(
         keys = [
             (r.policy, r.group_id, r.source, _aware(r.newest))
             for r in rows
-            if r.n >= group_size or (_aware(r.newest) is not None and _aware(r.newest) <= cutoff)
+            if r.n >= group_size
+            or r.source == SIBLING  # a scored sibling group: every member was written and scored at once
+            or (_aware(r.newest) is not None and _aware(r.newest) <= cutoff)
         ]
         # one (policy, group) per poll, its longest waiting source first: a step's baseline is keyed by
         # the group id (trainer/batches.py), so its app and judge runs must not be in one step
@@ -243,6 +254,7 @@ async def ungroup_runs(engine: AsyncEngine, *, group_timeout: float, now: dateti
         _status_is(engine, RunStatus.completed),
         Run.completed_at <= cutoff,
         Run.reward.is_not(None),
+        Run.branch_of.is_(None),  # a sibling group's members are never ungrouped (ready once scored)
         _alone(),
     )
     async with engine.connect() as conn:
@@ -351,6 +363,7 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
             runs[rid].policy,
             float(runs[rid].reward),
             ungrouped=runs[rid].status == RunStatus.ungrouped,
+            sibling=runs[rid].branch_of is not None,
         )
         for rid in run_ids
         if rid in runs

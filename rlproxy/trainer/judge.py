@@ -190,7 +190,8 @@ class Judge:
 
     def needs_judge(self, policy: str, sources: list[str | None]) -> bool:
         """True for a ready group the judge must score first (judge=always and an app reward in it)."""
-        return self.config.mode_of(policy) == "always" and any(s != "judge" for s in sources)
+        # a sibling group (reward_source 'sibling') was scored by its own scorer: never judged again
+        return self.config.mode_of(policy) == "always" and any(s not in ("judge", "sibling") for s in sources)
 
     async def judge_group(self, engine: Any, group: JudgeGroup) -> list[tuple[float, str]] | None:
         """Score one group and store its scores; malformed answers max_attempts times mark it failed.

@@ -115,8 +115,10 @@ class TrainerService:
         judge: Any = None,
         train_fn: Callable[..., StepResult] | None = None,
         rollouts: Any = None,
+        siblings_weight: float = 1.0,
     ) -> None:
         self.config = config
+        self.siblings_weight = siblings_weight  # a sibling group's runs' weight in a step (docs/siblings.md)
         # step.train_step's stand-in, same signature: `rlproxy train --nproc N` runs a step on N ranks
         self.train_fn = train_fn
         self.judge = judge  # trainer/judge.py Judge: scores the groups waiting for it before each selection
@@ -386,6 +388,8 @@ class TrainerService:
                     continue
             empty = [r.run_id for r in runs if not any(usable(c) for c in r.completions)]
             if not empty:
+                for r in runs:
+                    r.weight = self.siblings_weight if r.sibling else 1.0
                 return runs
             # rewarded, but nothing sampled was stored (errors only, or no completion): never trainable;
             # select again, so the groups' readiness and variance are judged without them

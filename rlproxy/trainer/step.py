@@ -116,6 +116,10 @@ def train_step(
     group_ids, group_index = baseline_index(runs)
     rewards = torch.tensor([r.reward for r in runs], dtype=torch.float64)
     adv, metrics = losses.advantages(rewards, group_index, config.scale_rewards)
+    if any(r.weight != 1.0 for r in runs):
+        # a run's weight (a sibling group's: siblings_weight, against an app run group's 1) scales its
+        # advantage after the normalization: the baseline is still its own group's mean
+        adv = adv * torch.tensor([r.weight for r in runs], dtype=adv.dtype)
     adv_of = {r.run_id: float(a) for r, a in zip(runs, adv.tolist(), strict=True)}
 
     # 2. batch: each run's calls merged token-exactly into segments (segments.py), every trained
