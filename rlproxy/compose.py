@@ -115,13 +115,16 @@ def trainer_config(settings: Settings) -> TrainerConfig:
     return settings.group(TrainerConfig)
 
 
-def make_judge(settings: JudgeSettings, backend: Backend, metrics: Any = None) -> Judge | None:
+def make_judge(
+    settings: JudgeSettings, backend: Backend, metrics: Any = None, always: bool = False
+) -> Judge | None:
     """The judge the trainer asks before it selects groups (trainer/judge.py), built from the
     settings' judge group (`settings.group(JudgeSettings)`), or None when it is off for every
-    policy. Its default endpoint is the backend itself (`base_url`/v1, its served model and key):
-    called directly, never through the proxy's capture, so judge calls are never training data."""
+    policy (`always`: built all the same, for the siblings' `scorer=judge`). Its default endpoint is
+    the backend itself (`base_url`/v1, its served model and key): called directly, never through the
+    proxy's capture, so judge calls are never training data."""
     config = JudgeConfig.of(settings)
-    if config.off:
+    if config.off and not always:
         return None
 
     def upstream() -> tuple[str, str, str | None]:  # known once the backend has started
@@ -210,6 +213,9 @@ def sibling_service(
         priority=priority,
         poll_interval=settings.poll_interval,  # the trainer's: how often the store is read
         metrics=metrics,
+        judge=make_judge(settings.group(JudgeSettings), backend, metrics, always=True)
+        if settings.scorer == "judge"
+        else None,
     )
 
 

@@ -630,7 +630,9 @@ class SiblingSettings(BaseModel):
         "scorer_url), judge (the judge model, candidates side by side)",
     )
     scorer_url: str | None = Field(
-        None, description="the app's scorer: POST {request, candidates} -> {scores: [K numbers]}"
+        None,
+        description="the app's scorer: POST {messages, tools, candidates, ...} -> {scores: [K numbers]} "
+        "(docs/siblings.md)",
     )
     scorer_api_key: str | None = Field(None, description="bearer key sent to scorer_url")
     scorer_timeout: float = Field(30.0, gt=0, description="seconds a scorer call may take")

@@ -141,6 +141,7 @@ class SiblingService:
         priority: int | None = resample.SIBLING_PRIORITY,
         poll_interval: float = 1.0,
         metrics: Any = None,
+        judge: Any = None,
     ) -> None:
         try:
             self.modes = parse_modes(settings.siblings)
@@ -153,6 +154,7 @@ class SiblingService:
         self.hosted = hosted
         self.priority = priority
         self.poll_interval = poll_interval
+        self._judge = judge  # compose's judge for scorer=judge (its endpoint defaults to the upstream)
         self.budget = Budget(settings.siblings_max_inflight, settings.siblings_max_share, app_busy)
         self.queue: list[store.BranchCall] = []
         self.counts = {"sampled": 0, "tokens": 0, "scored": 0, "failed": 0, "dropped": 0}
@@ -174,7 +176,7 @@ class SiblingService:
         """Start from the newest stored call (history is not branched), then poll, sample and score."""
         self._engine = create_engine(self.db_url)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.settings.scorer_timeout))
-        self.scorer = build_scorer(self.settings, self._client)
+        self.scorer = build_scorer(self.settings, self._client, judge=self._judge)
         self.cursor = await store.last_completion_id(self._engine)
         self.since = datetime.now(UTC) - LOOKBACK
         for name, loop in (

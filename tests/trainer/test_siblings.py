@@ -59,7 +59,7 @@ async def _wait(db: Path, sql: str, want: Any, timeout: float = 120.0) -> list[t
 async def test_siblings_never_reach_the_app_and_equal_a_seeded_sample(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sib, "build_scorer", lambda settings, client: RankedChecks())
+    monkeypatch.setattr(sib, "build_scorer", lambda settings, client, **kw: RankedChecks())
     db = tmp_path / "rlproxy.db"
     settings = Settings(
         model=str(tiny_model_dir),
