@@ -371,8 +371,10 @@ def run_demo(
         env["RLPROXY_LEARNING_RATE"] = str(learning_rate)
     if rollout == "canary":  # issue 28: new steps earn their traffic (demo/canary.py)
         env |= CANARY_ENV
-    scorer_server = ScorerServer(task).start() if sig.scorer == "url" else None
-    score_url = scorer_server.score_url if isinstance(scorer_server, ScorerServer) else None
+    scorer_server = ScorerServer(task) if sig.scorer == "url" else None  # the task's checker, over HTTP
+    if scorer_server is not None:
+        scorer_server.start()
+    score_url = scorer_server.score_url if scorer_server is not None else None
     extra = sig.serve_settings(score_url, plan.group_size)
     flags = {"backend": backend, "model": model, "db_url": f"sqlite+aiosqlite:///{out / 'rlproxy.db'}"}
     flags |= {"host": "127.0.0.1", "port": 0, "train": True, "group_size": plan.group_size} | extra

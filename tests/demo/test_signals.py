@@ -156,6 +156,40 @@ def test_scorer_endpoint_answers_the_wire_format() -> None:
         server.stop()
 
 
+def test_the_proxys_url_scorer_reads_the_demos_scores() -> None:
+    """The other side of the wire: rlproxy's own url scorer (trainer/scorers.py) posting to the demo's."""
+    import asyncio
+
+    from rlproxy.settings import Settings
+    from rlproxy.trainer.scorers import ScoreRequest, build_scorer
+
+    server = ScorerServer("directory")
+    server.start()
+    try:
+        settings = Settings(scorer="url", scorer_url=server.score_url)
+
+        async def score() -> list[float] | None:
+            async with httpx.AsyncClient() as client:
+                scorer = build_scorer(settings, client)
+                if scorer.name != "url":
+                    return None
+                conv = [{"role": "system", "content": directory.SYSTEM},
+                        {"role": "user", "content": directory.question(("Alice", "Frank"))}]  # fmt: skip
+                texts = [CALL.format(name="Alice"), SCHEMA_CUT, "no idea"]
+                candidates = [as_message(t, "stop") for t in texts]
+                request = {"messages": conv, "tools": directory.TOOLS, "max_tokens": 32}
+                return await scorer.score(
+                    ScoreRequest("sg-1", "p", "/v1/chat/completions", request, candidates)
+                )
+
+        scores = asyncio.run(score())
+        if scores is None:
+            pytest.skip("trainer/scorers.py has no url scorer on this branch yet")
+        assert scores == [0.2, 0.1, 0.0] and server.scorer.stats()["calls"] == 1
+    finally:
+        server.stop()
+
+
 # ------------------------------------------------------------------ unique tasks and fixed rungs
 
 
