@@ -528,6 +528,33 @@ def demo(
             "after the SFT step, default 20)",
         ),
     ] = None,
+    signal: Annotated[
+        Literal["groups", "singletons", "scorer"] | None,
+        typer.Option(
+            help="where the signal comes from, measured on fixed validation prompts (rungs): groups (the "
+            "app's groups and rewards), singletons (a new task every episode, app rewards, "
+            "singletons=train), "
+            "scorer (a new task every episode, no app reward: siblings scored by the task's checker over "
+            "HTTP); default: today's demo"
+        ),
+    ] = None,
+    siblings: Annotated[
+        str | None,
+        typer.Option(help="serve's siblings (off, new, alone, plateau, a comma list); --signal scorer: new"),
+    ] = None,
+    scorer: Annotated[
+        Literal["url", "checks", "judge"] | None,
+        typer.Option(help="what scores siblings and the shadow check; url (default): the task's checker"),
+    ] = None,
+    shadow: Annotated[
+        int | None, typer.Option(min=0, help="serve's shadow_prompts: the shadow check's prompts (0 = off)")
+    ] = None,
+    rung_minutes: Annotated[
+        float | None,
+        typer.Option(
+            min=0.01, help="minutes between rungs with --signal/--siblings/--shadow (default 2; directory 4)"
+        ),
+    ] = None,
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
     from rlproxy.demo.run import TASKS, run_demo  # lazy: the demo and its clients
@@ -535,6 +562,11 @@ def demo(
     _logging("warning")
     if teacher_episodes is not None and not teacher:
         raise typer.BadParameter("--teacher-episodes is the distill demo's: add --teacher")
+    signal_options = (signal, siblings, scorer, shadow, rung_minutes)
+    if teacher and any(v is not None for v in signal_options):
+        raise typer.BadParameter(
+            "--signal, --siblings, --scorer, --shadow, --rung-minutes: not with --teacher"
+        )
     if teacher:
         if task != "directory":
             raise typer.BadParameter("--teacher runs the directory task: add --task directory")
@@ -560,10 +592,18 @@ def demo(
         echo=typer.echo,
         rollout=rollout,
         max_groups=max_groups,
+        signal_mode=signal,
+        siblings=siblings,
+        scorer=scorer,
+        shadow=shadow,
+        rung_minutes=rung_minutes,
     )
-    goal = TASKS[task].GOAL
-    if not fast and (summary.get("improvement") or 0.0) < goal:
-        typer.echo(f"The goal (+{goal} mean reward) was not reached in time; see summary.json.", err=True)
+    if "signal" in summary:  # the rungs are the measure
+        goal, gain, what = summary["signal"]["rung_goal"], summary.get("rung_gain"), "on the rungs"
+    else:
+        goal, gain, what = TASKS[task].GOAL, summary.get("improvement"), "mean reward"
+    if not fast and (gain or 0.0) < goal:
+        typer.echo(f"The goal (+{goal} {what}) was not reached in time; see summary.json.", err=True)
 
 
 @db_app.command("upgrade", epilog=ENV_NOTE)

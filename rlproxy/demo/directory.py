@@ -179,25 +179,35 @@ def _show(message: Any) -> str:
     return message.content or ""
 
 
+def question(people: tuple[str, str], topic: str | None = None) -> str:
+    """The user's question; `topic` (the unique-task variant, `rlproxy demo --signal ...`) adds what
+    the call is about, which changes nothing the reward reads."""
+    asked = QUESTION.format(a=people[0], b=people[1])
+    return asked if topic is None else f"{asked} I need to call them about the {topic}."
+
+
 def play_episode(
     client: OpenAI,
     model: str,
-    group_id: str,
+    group_id: str | None,
     people: tuple[str, str],
     temperature: float = TEMPERATURE,
     max_tokens: int = MAX_TOKENS,
     seed: int | None = None,
     split: str | None = None,
+    topic: str | None = None,
 ) -> Episode:
     """The agent loop: call the model, run its tool call, repeat; ends on an answer or MAX_CALLS.
-    `split="val"` makes it a validation run (served and stored, never trained: the demo's rungs)."""
+    `split="val"` makes it a validation run (served and stored, never trained: the demo's rungs);
+    `group_id` None sends no group header (the store groups by the first prompt)."""
     run_id = f"dir-{uuid.uuid4().hex[:16]}"
-    headers = {"X-Run-Id": run_id, "X-Group-Id": group_id, **({"X-Split": split} if split else {})}
+    headers = {"X-Run-Id": run_id, **({"X-Group-Id": group_id} if group_id else {})}
+    headers |= {"X-Split": split} if split else {}
     well_formed = 0  # replies the server parsed into a lookup tool call (the first reward component)
     started = time.monotonic()
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": QUESTION.format(a=people[0], b=people[1])},
+        {"role": "user", "content": question(people, topic)},
     ]
     looked_up: set[str] = set()
     replies: list[str] = []
@@ -255,7 +265,7 @@ def play_episode(
     reward, metrics = score(people, answer, looked_up, attempted)
     metrics["well_formed_calls"] = float(well_formed)  # not part of the reward: shown per rung
     return Episode(
-        run_id, group_id, reward, replies, metrics, round(time.monotonic() - started, 3), len(replies)
+        run_id, group_id or "", reward, replies, metrics, round(time.monotonic() - started, 3), len(replies)
     )
 
 

@@ -96,19 +96,34 @@ def post_reward(base_url: str, api_key: str, run_id: str, reward: float, metrics
     response.raise_for_status()
 
 
+def task_prompt(low: int, high: int, topic: str) -> str:
+    """A first prompt of the unique-task variant (`rlproxy demo --signal ...`): a range and a topic
+    vary, the reward does not (digits only, then the number plus one)."""
+    return f"Pick a number between {low} and {high} for the {topic}. Reply with digits only."
+
+
 def play_episode(
     client: OpenAI,
     model: str,
-    group_id: str,
+    group_id: str | None,
     temperature: float = 1.0,
     max_tokens: int = 8,
     seed: int | None = None,
+    prompt: str = FIRST_PROMPT,
+    split: str | None = None,
 ) -> Episode:
-    """Two model calls with the environment's message in between; returns the scored episode."""
+    """Two model calls with the environment's message in between; returns the scored episode.
+
+    `group_id` None sends no group header (the store groups by the first prompt); `split="val"`
+    makes it a validation run (served and stored, never trained: the demo's rungs)."""
     run_id = f"num-{uuid.uuid4().hex[:16]}"
-    headers = {"X-Run-Id": run_id, "X-Group-Id": group_id}
+    headers = {"X-Run-Id": run_id}
+    if group_id is not None:
+        headers["X-Group-Id"] = group_id
+    if split is not None:
+        headers["X-Split"] = split
     started = time.monotonic()
-    messages: list[dict[str, str]] = [{"role": "user", "content": FIRST_PROMPT}]
+    messages: list[dict[str, str]] = [{"role": "user", "content": prompt}]
     replies: list[str] = []
     for turn, follow_up in enumerate((SECOND_PROMPT, None)):
         completion = client.chat.completions.create(
@@ -125,7 +140,7 @@ def play_episode(
         if follow_up:
             messages.append({"role": "user", "content": follow_up})
     reward, metrics = score(replies[0], replies[1])
-    return Episode(run_id, group_id, reward, replies, metrics, round(time.monotonic() - started, 3))
+    return Episode(run_id, group_id or "", reward, replies, metrics, round(time.monotonic() - started, 3))
 
 
 def run_group(
@@ -137,17 +152,18 @@ def run_group(
     temperature: float = 1.0,
     max_tokens: int = 8,
     seed: int | None = None,
+    prompt: str = FIRST_PROMPT,
 ) -> list[Episode]:
     """Play one group of episodes at the same time and post each reward as its episode ends.
 
     `seed` makes every sampling call reproducible (episode n of the group gets seeds derived from
-    seed and n); None samples at random.
+    seed and n); None samples at random. `prompt` is the group's first prompt.
     """
     group_id = f"num-{uuid.uuid4().hex[:12]}"
 
     def one(i: int) -> Episode:
         episode_seed = None if seed is None else seed * 1000 + i
-        episode = play_episode(client, model, group_id, temperature, max_tokens, episode_seed)
+        episode = play_episode(client, model, group_id, temperature, max_tokens, episode_seed, prompt)
         post_reward(base_url, api_key, episode.run_id, episode.reward, episode.metrics)
         return episode
 

@@ -16,8 +16,11 @@ def plot_rewards(
     model: str,
     echo: Callable[[str], None],
     task: str = "number",
+    rungs: list[dict[str, Any]] | None = None,
 ) -> Path | None:
-    """Write the mean reward per group to `path`; None (and a hint) without matplotlib."""
+    """Write the mean reward per group to `path`, and the rungs (mean reward on the fixed validation
+    prompts, at the group after which each was measured: `base` at 0); None (and a hint) without
+    matplotlib."""
     try:
         import matplotlib
     except ImportError:  # an optional extra: the summary and the SQL are the demo's record
@@ -36,6 +39,13 @@ def plot_rewards(
             for i in range(len(rows))
         ]
         ax.plot(steps, smooth, linewidth=2.5, alpha=0.7, label="mean of the last 3")
+    if rungs:
+        at = [
+            0 if r["rung"] == "base" else int(r["rung"][1:]) if r["rung"][1:].isdigit() else len(rows)
+            for r in rungs
+        ]
+        ax.plot(at, [r["mean_reward"] for r in rungs], marker="s", linewidth=2, color="black",
+                label="rung: fixed validation prompts")  # fmt: skip
     ax.set_xlabel("group (sampled by the newest policy, then one trainer step on it)")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)

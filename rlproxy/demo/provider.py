@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 from starlette.applications import Starlette
@@ -215,10 +215,17 @@ class Provider:
             await asyncio.sleep(0)
 
 
-class ProviderServer:
-    """`provider` under uvicorn on a loopback port, in a thread of its own: `start()`, `.url`, `stop()`."""
+class Served(Protocol):
+    """Anything with a Starlette app (the stand-in provider, the demo's scorer)."""
 
-    def __init__(self, provider: Provider, port: int = 0) -> None:
+    app: Starlette
+
+
+class ProviderServer:
+    """`provider` (any `Served`) under uvicorn on a loopback port, in a thread of its own: `start()`,
+    `.url`, `stop()`."""
+
+    def __init__(self, provider: Served, port: int = 0) -> None:
         self.provider = provider
         self.port = port
         self._server: uvicorn.Server | None = None
@@ -227,7 +234,12 @@ class ProviderServer:
     @property
     def url(self) -> str:
         """The base URL to give an OpenAI client (or `hosted_upstreams`): ends with /v1."""
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"{self.root}/v1"
+
+    @property
+    def root(self) -> str:
+        """http://127.0.0.1:PORT, no path."""
+        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ProviderServer:
         import socket
@@ -239,7 +251,10 @@ class ProviderServer:
         config = uvicorn.Config(self.provider.app, log_level="error", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="hosted-stand-in"
+            target=self._server.run,
+            kwargs={"sockets": [sock]},
+            daemon=True,
+            name=f"{type(self.provider).__name__}-server",
         )
         self._thread.start()
         for _ in range(500):

@@ -43,10 +43,11 @@ from typing import Any
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from rlproxy.demo import directory, number_game
+from rlproxy.demo import directory, number_game, signals
 from rlproxy.demo.canary import CANARY_ENV, canary_loop
 from rlproxy.demo.plot import plot_rewards
 from rlproxy.demo.rungs import evaluate, prompt_split
+from rlproxy.demo.scorer import ScorerServer
 from rlproxy.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -126,11 +127,13 @@ def start_server(
     env_overrides: dict[str, str],
     timeout: float = 900.0,
     backend: str = "embedded",
+    extra: dict[str, Any] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Start `rlproxy serve` and wait for its /healthz; returns (process, base URL without /v1).
 
     port 0 lets the server pick a free port (no race with other processes); the URL is then read
-    from the line `serve` prints when it listens.
+    from the line `serve` prints when it listens. `extra` are more settings, given as options
+    (`{"siblings": "new"}` is `--siblings=new`); groups_per_step is 1 unless it says otherwise.
     """
     db = out / "rlproxy.db"
     cmd = [
@@ -142,7 +145,7 @@ def start_server(
         f"--port={port}",
         "--train",
         f"--group-size={group_size}",
-        "--groups-per-step=1",
+        *(f"--{k.replace('_', '-')}={v}" for k, v in ({"groups_per_step": 1} | (extra or {})).items()),
         "--no-access-log",
     ]
     env = {k: v for k, v in os.environ.items() if k != "RLPROXY_API_KEY"}  # the demo runs without a key
@@ -301,6 +304,11 @@ def run_demo(
     echo: Callable[[str], None] | None = None,
     rollout: str = "immediate",
     eval_episodes: int | None = None,
+    signal_mode: str | None = None,
+    siblings: str | None = None,
+    scorer: str | None = None,
+    shadow: int | None = None,
+    rung_minutes: float | None = None,
 ) -> dict[str, Any]:
     """Run the demo and return the summary (also written to `out_dir/summary.json`).
 
@@ -312,11 +320,17 @@ def run_demo(
     `task` names the agent (`TASKS`); its temperature and tokens per call are the task's unless
     given. `learning_rate` None keeps serve's default (chosen by model size). fast=True is the CI
     variant: the tiny random model, groups of 4, 3 groups.
+
+    `signal_mode`, `siblings`, `scorer`, `shadow`, `rung_minutes`: where the learning signal comes from
+    and the rung curve that measures it (demo/signals.py); all None is today's demo.
     """
     echo = echo or _echo
     if task not in TASKS:
         raise ValueError(f"unknown demo task {task!r}: choose one of {', '.join(TASKS)}")
     agent = TASKS[task]
+    sig = signals.resolve(task, signal_mode, siblings, scorer, shadow, rung_minutes)
+    if not sig.legacy and rollout == "canary":
+        raise ValueError("--rollout canary runs today's groups: leave out --signal, --siblings and --shadow")
     started = time.monotonic()
     if fast:
         # a canary needs runs on both arms before it decides (demo/canary.py): more groups
@@ -357,17 +371,33 @@ def run_demo(
         env["RLPROXY_LEARNING_RATE"] = str(learning_rate)
     if rollout == "canary":  # issue 28: new steps earn their traffic (demo/canary.py)
         env |= CANARY_ENV
+    scorer_server = ScorerServer(task) if sig.scorer == "url" else None  # the task's checker, over HTTP
+    if scorer_server is not None:
+        scorer_server.start()
+    score_url = scorer_server.score_url if scorer_server is not None else None
+    extra = sig.serve_settings(score_url, plan.group_size)
     flags = {"backend": backend, "model": model, "db_url": f"sqlite+aiosqlite:///{out / 'rlproxy.db'}"}
-    flags |= {"host": "127.0.0.1", "port": 0, "train": True, "group_size": plan.group_size}
+    flags |= {"host": "127.0.0.1", "port": 0, "train": True, "group_size": plan.group_size} | extra
     changed = changed_settings(flags, env)
     lr = "serve's default" if learning_rate is None else f"{learning_rate:g}"
     echo(
         f"rlproxy demo: task {task}, {plan.model} ({backend}), groups of {plan.group_size}, lr {lr}, "
         f"seed {seed}, {minutes:g} min"
     )
+    if not sig.legacy:
+        at = f", scorer at {score_url}" if score_url else ""
+        echo(
+            f"signal: {sig.signal or 'groups'} (siblings {sig.siblings}, scorer {sig.scorer or '-'}, "
+            f"shadow {sig.shadow}); rungs every {sig.rung_minutes:g} min{at}"
+        )
     echo(f"settings changed from the defaults: {_describe(changed)}")
     echo(f"starting `rlproxy serve` (log: {out / 'serve.log'}) ...")
-    proc, base = start_server(out, plan.model, 0, plan.group_size, env, backend=backend)
+    try:
+        proc, base = start_server(out, plan.model, 0, plan.group_size, env, backend=backend, extra=extra)
+    except BaseException:
+        if scorer_server is not None:
+            scorer_server.stop()
+        raise
     rss = PeakRSS(proc.pid)
     rss.start()
     startup_s = time.monotonic() - started
@@ -376,24 +406,47 @@ def run_demo(
     rows: list[dict[str, Any]] = []
     rungs: list[dict[str, Any]] = []
     n_eval = (4 if fast else 16) if eval_episodes is None else eval_episodes
+    curve: signals.Curve | None = None
     try:
-        measure = _rungs(base, seed, n_eval, rungs, echo) if task == "directory" and n_eval else None
-        if measure:
-            measure("base")
-        if rollout == "canary":
-            stop_reason = canary_loop(base, plan, agent, rows, started, echo, out / "rlproxy.db")
+        if not sig.legacy:  # the rungs over time, on both tasks; the app posts no reward with the scorer
+            from openai import OpenAI
+
+            client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
+            curve = signals.Curve(task, base, client, agent.default_model(client), seed, n_eval or 4,
+                                  sig.signal != "scorer", started, echo)  # fmt: skip
+            curve.measure("base")
+            stop_reason = signals.signal_loop(
+                base, plan, sig, agent, rows, started, echo, out / "rlproxy.db", curve
+            )
+            curve.measure("rl")
+            rungs = curve.rungs
         else:
-            stop_reason = _loop(base, plan, agent, rows, started, echo)
-        if measure:
-            measure("rl")
+            measure = _rungs(base, seed, n_eval, rungs, echo) if task == "directory" and n_eval else None
+            if measure:
+                measure("base")
+            if rollout == "canary":
+                stop_reason = canary_loop(base, plan, agent, rows, started, echo, out / "rlproxy.db")
+            else:
+                stop_reason = _loop(base, plan, agent, rows, started, echo)
+            if measure:
+                measure("rl")
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         echo("interrupted: stopping the server and writing what there is")
+        rungs = curve.rungs if curve is not None else rungs
     finally:
         stop_server(proc)
         peak_rss_mb = rss.stop()
-    summary = _report(out, plan, changed, rows, started, startup_s, peak_rss_mb, stop_reason, echo)
-    if rungs:  # directory: base and after RL on the same prompts, each component apart
+        if scorer_server is not None:
+            scorer_server.stop()
+    curve_rungs = None if sig.legacy else rungs
+    summary = _report(
+        out, plan, changed, rows, started, startup_s, peak_rss_mb, stop_reason, echo, curve_rungs
+    )
+    if not sig.legacy:
+        summary |= signals.report(sig, out / "rlproxy.db", rungs, scorer_server, echo)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    elif rungs:  # directory: base and after RL on the same prompts, each component apart
         summary["rungs"] = [{k: v for k, v in r.items() if k != "example"} for r in rungs]
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -492,12 +545,13 @@ def _report(
     peak_rss_mb: float,
     stop_reason: str,
     echo: Callable[[str], None],
+    rungs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The table, the PNG, the SQL and summary.json."""
+    """The table, the PNG (with `rungs`: their curve too), the SQL and summary.json."""
     rewards = [r["mean_reward"] for r in rows]
     first3, last3 = _mean(rewards[:3]), _mean(rewards[-3:])
     db = out / "rlproxy.db"
-    plot = plot_rewards(rows, out / "reward_curve.png", plan.model, echo, task=plan.task)
+    plot = plot_rewards(rows, out / "reward_curve.png", plan.model, echo, task=plan.task, rungs=rungs)
     sql = (
         "SELECT t.reward, t.messages FROM trajectories t JOIN runs r ON r.id = t.run_id "
         "ORDER BY r.created_at DESC LIMIT 10;\n"

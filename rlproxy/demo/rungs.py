@@ -5,7 +5,8 @@ after RL) and the distillation path (`--teacher`: base, after SFT, after RL). A 
 validation runs (`X-Split: val`: served and stored, never trained), one episode per prompt, with the
 mean reward and each component in [0, 1]: `well_formed_call` (episodes in which the server parsed a
 lookup tool call from a reply), `correct_lookup` (the two people looked up), `correct_answer` (the two
-extensions in the final answer).
+extensions in the final answer). The number game's rungs (`rlproxy demo --signal ...`) are measured
+the same way on its fixed prompts (demo/tasks.py), with `digits_only` and `correct`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Any
 
 from openai import OpenAI
 
-from rlproxy.demo import directory
+from rlproxy.demo import directory, number_game
 from rlproxy.demo.number_game import post_reward
 
 COMPONENTS = ("well_formed_call", "correct_lookup", "correct_answer")
+NUMBER_COMPONENTS = ("digits_only", "correct")  # the number game's reward parts
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -60,26 +62,28 @@ def play(
     temperature: float,
     max_tokens: int,
     seed: int,
+    post: bool = True,
 ) -> list[directory.Episode]:
-    """One episode per pair, concurrently (8 at a time), each reward posted."""
+    """One episode per pair, concurrently (8 at a time), each reward posted (unless `post` is False)."""
 
     def one(i: int) -> directory.Episode:
         gid = group_id or f"dir-{uuid.uuid4().hex[:12]}"
         e = directory.play_episode(
             client, model, gid, pairs[i], temperature, max_tokens, seed * 1000 + i, split=split
         )
-        post_reward(base_url, "not-needed", e.run_id, e.reward, e.metrics)
+        if post:
+            post_reward(base_url, "not-needed", e.run_id, e.reward, e.metrics)
         return e
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         return list(pool.map(one, range(len(pairs))))
 
 
-def rung(name: str, episodes: list[directory.Episode], seconds: float) -> dict[str, Any]:
-    comps = [components(e) for e in episodes]
+def rung(name: str, episodes: list[Any], seconds: float, task: str = "directory") -> dict[str, Any]:
+    comps = [components(e) if task == "directory" else e.metrics for e in episodes]
     out: dict[str, Any] = {"rung": name, "episodes": len(episodes)}
     out["mean_reward"] = _mean([e.reward for e in episodes])
-    for c in COMPONENTS:
+    for c in COMPONENTS if task == "directory" else NUMBER_COMPONENTS:
         out[c] = _mean([x[c] for x in comps])
     out["seconds"] = round(seconds, 1)
     out["example"] = episodes[0].replies if episodes else []
@@ -87,7 +91,7 @@ def rung(name: str, episodes: list[directory.Episode], seconds: float) -> dict[s
 
 
 def line(r: dict[str, Any]) -> str:
-    parts = "  ".join(f"{c} {r[c]:.3f}" for c in COMPONENTS)
+    parts = "  ".join(f"{c} {r[c]:.3f}" for c in (*COMPONENTS, *NUMBER_COMPONENTS) if c in r)
     return (
         f"rung {r['rung']:>7}: reward {r['mean_reward']:.3f}  {parts}  "
         f"({r['episodes']} episodes, {r['seconds']:.0f}s)  e.g. {r['example']!r}"
@@ -95,12 +99,47 @@ def line(r: dict[str, Any]) -> str:
 
 
 def evaluate(
-    client: OpenAI, base: str, policy: str, name: str, pairs: list, seed: int, echo: Callable[[str], None]
+    client: OpenAI,
+    base: str,
+    policy: str,
+    name: str,
+    pairs: list,
+    seed: int,
+    echo: Callable[[str], None],
+    post: bool = True,
 ) -> dict[str, Any]:
     """A rung: `policy` on the fresh prompts, as validation runs (never trained)."""
     t0 = time.monotonic()
     episodes = play(client, f"{base}/v1", policy, pairs, split="val", temperature=directory.TEMPERATURE,
-                    max_tokens=directory.MAX_TOKENS, seed=seed + 7)  # fmt: skip
+                    max_tokens=directory.MAX_TOKENS, seed=seed + 7, post=post)  # fmt: skip
     r = rung(name, episodes, time.monotonic() - t0)
+    echo(line(r))
+    return r
+
+
+def evaluate_number(
+    client: OpenAI,
+    base: str,
+    policy: str,
+    name: str,
+    prompts: list[str],
+    seed: int,
+    echo: Callable[[str], None],
+    post: bool = True,
+) -> dict[str, Any]:
+    """A number-game rung: one validation episode per fixed prompt (demo/tasks.py), components
+    `digits_only` and `correct` (the reward's two parts) apart."""
+    t0 = time.monotonic()
+
+    def one(i: int) -> number_game.Episode:
+        e = number_game.play_episode(client, policy, None, number_game.TEMPERATURE, number_game.MAX_TOKENS,
+                                     (seed + 7) * 1000 + i, prompts[i], split="val")  # fmt: skip
+        if post:
+            post_reward(f"{base}/v1", "not-needed", e.run_id, e.reward, e.metrics)
+        return e
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        episodes = list(pool.map(one, range(len(prompts))))
+    r = rung(name, episodes, time.monotonic() - t0, task="number")
     echo(line(r))
     return r
