@@ -631,6 +631,8 @@ class TrainerService:
             db_step = await latest_step(self._db(), policy)
             if last is None or last.step <= db_step:
                 continue
+            if self.shadow is not None and self.shadow.retry_in(policy, last.step):
+                continue  # its shadow check had no verdict: tried again (and re-loaded) when it is due
             if last.step != db_step + 1:
                 log.warning(
                     "checkpoints of %r reach step %d but the database only step %d (another database?); "

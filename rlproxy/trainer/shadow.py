@@ -142,6 +142,11 @@ class ShadowChecker:
         self._scorer: Scorer | None = None
         self._failures: dict[tuple[str, int], tuple[int, float]] = {}  # (policy, step) -> (tries, retry at)
 
+    def retry_in(self, policy: str, step: int) -> float:
+        """Seconds before the check of `policy@step` may be tried again (0: now)."""
+        _, at = self._failures.get((policy, step), (0, 0.0))
+        return max(0.0, at - time.monotonic())
+
     def waiting(self, policy: str) -> bool:
         """Whether a step of `policy` waits for its check (no verdict yet): the policy does not train."""
         return any(p == policy for p, _ in self._failures)
@@ -157,9 +162,8 @@ class ShadowChecker:
         if found is not None and found["status"] in store.FINAL:  # decided before a restart: it stands
             return Outcome(found["status"], found["reason"] or "", int(found["serving_step"]))
         key = (policy, step)
-        tries, retry_at = self._failures.get(key, (0, 0.0))
-        if time.monotonic() < retry_at:
-            wait = retry_at - time.monotonic()
+        tries, _ = self._failures.get(key, (0, 0.0))
+        if wait := self.retry_in(policy, step):
             raise ShadowPending(f"{policy}@{step}: its shadow check is tried again in {wait:.0f} s")
         if self._client is None:
             self._client = httpx.AsyncClient()

@@ -28,7 +28,8 @@ from rlproxy.inference.embedded import EmbeddedBackend
 from rlproxy.settings import Settings
 from rlproxy.storage import shadow as store
 from rlproxy.storage.models import Completion
-from rlproxy.trainer.scorers import ChecksScorer
+from rlproxy.trainer import scorers
+from rlproxy.trainer.scorers import ChecksScorer, ScoreRequest, ScorerError, check_scores
 from rlproxy.trainer.shadow import ShadowChecker, ShadowPending, _sampling, decide
 from rlproxy.trainer.step import StepResult, train_step
 
@@ -426,3 +427,98 @@ async def test_a_step_trained_on_inverted_rewards_is_stopped(
         (2, "rolled_back", "shadow")
     ]
     assert rows(db, "SELECT count(*) FROM completions WHERE policy_step = 2") == [(0,)]
+
+
+FAILS: dict[int, int] = {}  # candidate step -> scorer calls that fail before it answers
+
+
+class FlakyScorer:
+    """The checks, but failing its first FAILS[step] calls of a step's check (a scorer that is down)."""
+
+    name = "flaky"
+
+    async def score(self, req: ScoreRequest) -> list[float]:
+        step = int(req.group_id.split("@")[1].split(":")[0])
+        if FAILS.get(step, 0) > 0:
+            FAILS[step] -= 1
+            raise ScorerError("the scorer answered 503")
+        return check_scores(req)
+
+
+@pytest.mark.timeout(600)
+async def test_a_scorer_failure_holds_the_step_back_then_retries(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 1's first check fails (the scorer is down): it waits, unserved, and passes on the retry;
+    step 2's scorer never answers: after scorer_max_attempts it is rolled back, never served."""
+    monkeypatch.setattr(service_module, "train_step", _stand_in_step)
+    monkeypatch.setattr(scorers, "build_scorer", lambda settings, client: FlakyScorer())
+    PLAN[:] = ["honest", "honest"]
+    BUILT_FROM.clear()
+    FAILS.clear()
+    FAILS.update({1: 1, 2: 1000})
+    db = tmp_path / "rlproxy.db"
+    settings = Settings(
+        model=str(tiny_model_dir),
+        db_url=f"sqlite+aiosqlite:///{db}",
+        port=free_port(),
+        train=True,
+        group_size=4,
+        groups_per_step=1,
+        poll_interval=0.1,
+        policy_poll_interval=0.1,
+        checkpoint_dir=str(tmp_path / "ck"),
+        unload_grace=0.2,
+        train_threads=1,
+        engine_threads=1,
+        shadow_prompts=4,
+        scorer_timeout=0.5,  # also the wait before a check is tried again
+        scorer_max_attempts=3,
+    )
+    backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
+    async with serving(settings, backend) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
+        policy = backend.served_model
+
+        async def ask(text: str, run_id: str | None = None) -> int:
+            headers = {"X-Run-Id": run_id} if run_id else {}
+            body = {"model": policy, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+            r = await http.post("/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            return int(r.headers["x-policy-step"])
+
+        async def group(g: int) -> None:
+            for k in range(4):
+                await ask(f"Group {g} task: say a word.", f"g{g}-r{k}")
+                r = await http.post(f"/v1/runs/g{g}-r{k}/reward", json={"reward": float(k % 2)})
+                assert r.status_code == 200, r.text
+
+        for i in range(6):
+            await ask(f"Before {i}: name a city.")
+        await group(1)
+        await _wait(db, "SELECT 1 FROM shadow_checks WHERE candidate_step = 1 AND status = 'error'")
+        assert rows(db, "SELECT count(*) FROM training_steps") == [(0,)]  # waits, uncommitted
+        assert await ask("Meanwhile: name a color.") == 0
+        await _wait(db, "SELECT 1 FROM shadow_checks WHERE candidate_step = 1 AND status = 'passed'")
+        await _wait(db, "SELECT 1 FROM training_steps WHERE step = 1")
+        while await ask("Now: name a color.") != 1:
+            await asyncio.sleep(0.05)
+        await group(2)
+        await _wait(db, "SELECT 1 FROM rollouts WHERE candidate_step = 2")
+        for i in range(5):
+            assert await ask(f"After {i}: name a color.") == 1
+
+    [(status, reason)] = rows(db, "SELECT status, reason FROM shadow_checks WHERE candidate_step = 2")
+    assert status == "error" and reason.startswith("no verdict after 3 attempt(s): the scorer answered 503")
+    assert FAILS[2] == 1000 - 3
+    [rollout] = rows(db, "SELECT candidate_step, incumbent_step, status, decided_by, reason FROM rollouts")
+    assert rollout[:4] == (2, 1, "rolled_back", "shadow") and rollout[4].startswith(
+        "shadow: no verdict after 3"
+    )
+    assert rows(db, "SELECT count(*) FROM completions WHERE policy_step = 2") == [(0,)]
+    # nothing was served by step 1 before its check passed
+    early = rows(
+        db,
+        "SELECT count(*) FROM completions WHERE policy_step = 1 AND julianday(created_at) < "
+        "(SELECT julianday(finished_at) FROM shadow_checks WHERE candidate_step = 1)",
+    )
+    assert early == [(0,)]
