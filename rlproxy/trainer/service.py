@@ -625,6 +625,8 @@ class TrainerService:
     async def _recover_locked(self) -> list[tuple[str, int]]:
         root = self.config.checkpoint_dir
         await asyncio.to_thread(ckpt.clean_partial, root)
+        # a rolled-back step whose checkpoint a crash left (no learner may resume from it, in any mode)
+        await self.discard_rolled_back()
         done = []
         for policy in await asyncio.to_thread(ckpt.checkpoint_policies, root):
             last = ckpt.latest_checkpoint(root, policy)
