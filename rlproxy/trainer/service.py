@@ -631,6 +631,8 @@ class TrainerService:
         for policy in await asyncio.to_thread(ckpt.checkpoint_policies, root):
             last = ckpt.latest_checkpoint(root, policy)
             db_step = await latest_step(self._db(), policy)
+            if self.shadow is not None:
+                self.shadow.settled(policy, last.step if last is not None and last.step > db_step else None)
             if last is None or last.step <= db_step:
                 continue
             if self.shadow is not None and self.shadow.retry_in(policy, last.step):

@@ -147,6 +147,12 @@ class ShadowChecker:
         _, at = self._failures.get((policy, step), (0, 0.0))
         return max(0.0, at - time.monotonic())
 
+    def settled(self, policy: str, pending: int | None) -> None:
+        """Forget the failed tries of the steps of `policy` but `pending` (its newest checkpoint, not
+        committed): the others were committed elsewhere or discarded, no check of theirs is waiting."""
+        for key in [k for k in self._failures if k[0] == policy and k[1] != pending]:
+            del self._failures[key]
+
     def waiting(self, policy: str) -> bool:
         """Whether a step of `policy` waits for its check (no verdict yet): the policy does not train."""
         return any(p == policy for p, _ in self._failures)

@@ -140,3 +140,16 @@ async def test_retries_wait_retry_after(engine: Any) -> None:
         await checker.check(engine, "tiny", 1, [])
     assert checker._failures[("tiny", 1)][0] == 1
     await checker.close()
+
+
+async def test_a_step_committed_elsewhere_stops_the_wait(engine: Any) -> None:
+    await _untagged(engine, [1, 2])
+    await _untagged(engine, [3, 4])
+    checker = _checker(max_attempts=3, retry_after=60.0)
+    with pytest.raises(ShadowPending):
+        await checker.check(engine, "tiny", 1, [])
+    checker.settled("tiny", 1)  # still the newest uncommitted checkpoint: still waiting
+    assert checker.waiting("tiny") and checker.retry_in("tiny", 1) > 0
+    checker.settled("tiny", None)  # step 1 was committed by another process, or discarded
+    assert not checker.waiting("tiny") and checker.retry_in("tiny", 1) == 0
+    await checker.close()
