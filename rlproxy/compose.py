@@ -138,6 +138,28 @@ def make_judge(
     )
 
 
+def make_shadow(settings: Settings, backend: Backend) -> Any:
+    """The shadow check a new step passes before it serves (trainer/shadow.py), or None when
+    `shadow_prompts` is 0. It samples the backend itself (`base_url`, its served model and key), never
+    through the proxy's capture, and scores with the configured scorer (trainer/scorers.py)."""
+    if not settings.shadow_prompts:
+        return None
+    from rlproxy.trainer.scorers import build_scorer
+    from rlproxy.trainer.shadow import ShadowChecker
+
+    def upstream() -> tuple[str, str, str | None]:  # known once the backend has started
+        return backend.base_url, backend.served_model, backend.api_key
+
+    return ShadowChecker(
+        prompts=settings.shadow_prompts,
+        margin=settings.shadow_margin,
+        make_scorer=lambda client: build_scorer(settings, client),
+        resolve=upstream,
+        max_attempts=settings.scorer_max_attempts,
+        retry_after=settings.scorer_timeout,
+    )
+
+
 def init_targets(settings: Settings, default_policy: str) -> list[str]:
     """The policies `--init-adapter` starts: the default policy and the model map's."""
     hosted = _hosted_specs(settings)  # a hosted provider's policy has no adapter to start
@@ -280,6 +302,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
                 judge=make_judge(settings.group(JudgeSettings), backend, metrics),
                 rollouts=controller,  # canary rollouts (trainer/rollout.py); None: immediate
                 siblings_weight=settings.siblings_weight,  # sibling groups' runs in a step
+                shadow=make_shadow(settings, backend),  # a new step's check before it serves (issue 54)
             )
         )
     siblings = sibling_service(settings, backend, policies, hosted_specs, metrics)

@@ -19,7 +19,14 @@ from typing import Any
 
 import uvicorn
 
-from rlproxy.compose import build_app, build_readonly_app, init_adapter, make_judge, trainer_config
+from rlproxy.compose import (
+    build_app,
+    build_readonly_app,
+    init_adapter,
+    make_judge,
+    make_shadow,
+    trainer_config,
+)
 from rlproxy.errors import TrainerError
 from rlproxy.inference.models import resolve_model
 from rlproxy.inference.vllm import VLLMBackend
@@ -158,6 +165,7 @@ async def run_trainer(settings: Settings, ranks: Any = None) -> None:
             train_fn=leader.train_step if leader is not None else None,
             rollouts=controller_from(settings),  # canary rollouts are judged where the trainer runs
             siblings_weight=settings.siblings_weight,
+            shadow=make_shadow(settings, backend),  # a new step's check before it serves (trainer/shadow.py)
         )
         try:
             await service.start()

@@ -64,7 +64,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(("/rollouts",), Who.PUBLIC, what="the canary panel's page"),
     Rule(("/v1/runs", "/v1/runs/stats"), Who.ADMIN, what="listing every run, run stats"),
-    Rule(("/v1/training*", "/v1/admin/*"), Who.ADMIN, what="training data; adapter control"),
+    Rule(
+        ("/v1/training*", "/v1/admin/*"),
+        Who.ADMIN,
+        what="training data (steps, rollouts, shadow checks); adapter control",
+    ),
     Rule(
         # the ones ending `/runs/reward` name no route, but get the reward bound as any such path did
         (

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.storage.db import connect_write, create_engine, is_sqlite, normalize_url, sqlite_path
 from rlproxy.storage.errors import NotAStore
-from rlproxy.storage.models import Completion, Run, RunStatus, TrainingStep
+from rlproxy.storage.models import Completion, Rollout, RolloutStatus, Run, RunStatus, TrainingStep
 from rlproxy.storage.training import STEP_COLUMNS
 from rlproxy.storage.validation import best_step
 
@@ -150,10 +150,17 @@ async def list_training_steps(
 
 
 async def latest_adapters(engine: AsyncEngine) -> dict[str, tuple[int, str]]:
-    """policy -> (step, adapter_path) of its newest step with an adapter: what to re-load on start."""
+    """policy -> (step, adapter_path) of its newest step with an adapter, rolled-back steps left out (a
+    canary's, or one the shadow check stopped before its checkpoint is deleted): what to re-load on
+    start and what a replica's poll moves to."""
+    rejected = exists().where(
+        Rollout.policy == STEPS.c.policy,
+        Rollout.candidate_step == STEPS.c.step,
+        Rollout.status == RolloutStatus.rolled_back,
+    )
     latest = (
         select(STEPS.c.policy, func.max(STEPS.c.step).label("step"))
-        .where(STEPS.c.adapter_path.is_not(None))
+        .where(STEPS.c.adapter_path.is_not(None), ~rejected)
         .group_by(STEPS.c.policy)
         .subquery()
     )

@@ -47,7 +47,9 @@ async def publish_step(
     `backend` None: no server to load into (`rlproxy sft` without `--upstream`); a running `serve`
     on the same store loads it from the folder within policy_poll_interval (proxy/policies.py).
     `commit` writes the step's row(s); when it raises one of `discard_on` the step belongs to nobody:
-    its folder and adapter go, and the exception propagates. `keep` names more steps that must stay
+    its folder and adapter go, and the exception propagates. When it returns False the step was
+    committed as rejected (the shadow check stopped it: trainer/shadow.py): no flip, no pruning; the
+    caller discards it. `keep` names more steps that must stay
     on disk (a canary's incumbent, trainer/rollout.py), asked after the flip."""
     policy, step = saved.policy, saved.step
     name = adapter_name(policy, step)
@@ -56,12 +58,14 @@ async def publish_step(
         if backend is not None:
             await backend.load_adapter(name, str(saved.path))
             loaded = True
-        await commit()
+        served = await commit()
     except discard_on:
         ckpt.discard(saved)
         if loaded:
             await unload_quietly(backend, name)
         raise
+    if served is False:
+        return []
     if on_publish is not None:
         await on_publish(policy, step)
     if not prune:

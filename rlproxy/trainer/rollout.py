@@ -22,18 +22,12 @@ route (proxy/rollout.py). In `TrainerService`:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
-from rlproxy.inference.backend import adapter_name
 from rlproxy.storage import rollouts as store
 from rlproxy.storage.rollout_rule import RuleConfig, decide, mode_of, parse_modes
-from rlproxy.storage.training import forget_adapter_paths
-from rlproxy.trainer import checkpoint as ckpt
-from rlproxy.trainer.publish import unload_quietly
 
 log = logging.getLogger(__name__)
 
@@ -109,24 +103,9 @@ class RolloutController:
         return still_open
 
     async def clean(self, service: Any) -> list[tuple[str, int]]:
-        """Delete the checkpoints of rolled-back steps, forget their paths, drop a learner holding their
-        weights and unload their adapters (idempotent: a crash in between is finished next time)."""
-        engine = service._db()
-        done = []
-        for policy, step, path in await store.rolled_back_adapters(engine):
-            folder = Path(path)
-            await asyncio.to_thread(ckpt.discard, ckpt.Checkpoint(policy, step, folder))
-            await forget_adapter_paths(engine, policy, [step])
-            learner = service._learners.get(policy)
-            if learner is not None and learner.step == step:
-                service._learners.pop(policy, None)  # the next step starts from the incumbent's checkpoint
-            unload = unload_quietly(service.backend, adapter_name(policy, step), service.config.unload_grace)
-            task = asyncio.create_task(unload)
-            service._unloads.add(task)
-            task.add_done_callback(service._unloads.discard)
-            log.info("rolled back %s@%d: checkpoint %s deleted, adapter unloaded", policy, step, folder)
-            done.append((policy, step))
-        return done
+        """Delete what rolled-back steps left: the service's `discard_rolled_back` (checkpoints, paths,
+        a learner holding their weights, adapters)."""
+        return await service.discard_rolled_back()
 
 
 def controller_from(settings: Any) -> RolloutController | None:

@@ -6,6 +6,7 @@ is one ordering contract, and keeping it in one file lets a reader check it top 
     poll ──> lone runs past group_timeout -> `ungrouped` ──> select ready groups (skip zero-variance
          ones; singletons=train: else a batch of ungrouped runs) ──> load their completions
          ──> [trainer thread] train_step ──> save checkpoint ──> backend.load_adapter("{policy}@{N}")
+         ──> shadow check (shadow_prompts > 0: trainer/shadow.py; a step it stops commits rolled back)
          ──> commit (runs trained + training_steps row, one transaction) ──> on_publish(policy, N)
          ──> unload "{policy}@{N-K}" after unload_grace seconds
 
@@ -30,12 +31,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from rlproxy.inference.backend import Backend, SharesWeights, adapter_name
 from rlproxy.omp import release_workers
+from rlproxy.storage import rollouts as rollout_store
+from rlproxy.storage import shadow as shadow_store
 from rlproxy.storage.db import create_engine
 from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.leader import LeaderLock
@@ -47,6 +51,7 @@ from rlproxy.storage.training import (
     RunData,
     StatusReason,
     commit_step,
+    forget_adapter_paths,
     latest_step,
     load_runs,
     mark_runs,
@@ -63,6 +68,7 @@ from rlproxy.trainer.culprits import nonfinite_groups
 from rlproxy.trainer.model import load_policy, pick_device, train_dtype
 from rlproxy.trainer.publish import publish_step, unload_quietly
 from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
+from rlproxy.trainer.shadow import Outcome, ShadowPending
 from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, step_columns, train_step
 
 log = logging.getLogger(__name__)
@@ -116,6 +122,7 @@ class TrainerService:
         train_fn: Callable[..., StepResult] | None = None,
         rollouts: Any = None,
         siblings_weight: float = 1.0,
+        shadow: Any = None,
     ) -> None:
         self.config = config
         self.siblings_weight = siblings_weight  # a sibling group's runs' weight in a step (docs/siblings.md)
@@ -123,6 +130,7 @@ class TrainerService:
         self.train_fn = train_fn
         self.judge = judge  # trainer/judge.py Judge: scores the groups waiting for it before each selection
         self.rollouts = rollouts  # trainer/rollout.py RolloutController (None: every policy immediate)
+        self.shadow = shadow  # trainer/shadow.py ShadowChecker: a step's check before it serves (None: off)
         self.db_url = db_url
         self.backend = backend
         self.on_publish = on_publish
@@ -185,6 +193,8 @@ class TrainerService:
                 await asyncio.to_thread(self.reporter.close)
             if self.judge is not None:
                 await self.judge.close()
+            if self.shadow is not None:
+                await self.shadow.close()
             await self.leader.release()
 
     async def _loop(self) -> None:
@@ -238,8 +248,8 @@ class TrainerService:
             if not runs:
                 return None
             policy = runs[0].policy
-            if policy in on_trial:
-                return None
+            if policy in on_trial or (self.shadow is not None and self.shadow.waiting(policy)):
+                return None  # its next step waits for a verdict (canary, or a shadow check to retry)
             run_ids = [r.run_id for r in runs]
             learner = await self._learner(policy)
             db_step = await latest_step(engine, policy)
@@ -303,7 +313,11 @@ class TrainerService:
 
             # 4. publish: backend.load_adapter -> commit (exactly once) -> on_publish flips the alias
             result.metrics["perf/step_seconds"] = time.perf_counter() - t0
-            await self._publish(saved, run_ids, result, started_at)
+            try:
+                await self._publish(saved, run_ids, result, started_at)
+            except ShadowPending as exc:  # checkpoint kept, step uncommitted: the next poll's recovery
+                log.warning("%s", exc)  # checks it again (trainer/shadow.py)
+                return None
             self._flat_groups = self._hosted_since = 0
             self._log_progress(policy, step, result, time.perf_counter() - t0)
             await self._report(policy, step, result)
@@ -529,11 +543,21 @@ class TrainerService:
         unload_grace seconds."""
         policy, step = saved.policy, saved.step
         rollout = None
+        shadow: Outcome | None = None
 
-        async def commit() -> None:
-            nonlocal rollout
+        async def commit() -> bool:
+            nonlocal rollout, shadow
+            # the shadow check: the adapter is loaded, nobody is served by it yet (ShadowPending: no
+            # verdict, the step waits uncommitted); a step it stops commits with its rollback row first
+            if self.shadow is not None:
+                shadow = await self.shadow.check(self._db(), policy, step, run_ids)
+                if not shadow.serves:
+                    reason = f"shadow: {shadow.reason}"
+                    await shadow_store.reject_step(
+                        self._db(), policy=policy, step=step, serving=shadow.serving_step, reason=reason
+                    )
             # a canary policy's rollout row exists before its step does (trainer/rollout.py)
-            if self.rollouts is not None:
+            if self.rollouts is not None and (shadow is None or shadow.serves):
                 rollout = await self.rollouts.begin(self._db(), policy, step)
             await commit_step(
                 self._db(),
@@ -551,6 +575,7 @@ class TrainerService:
                 columns={**step_columns(result.metrics), "kind": kind},
                 run_segments=result.run_segments,
             )
+            return shadow is None or shadow.serves
 
         try:
             await publish_step(
@@ -570,6 +595,10 @@ class TrainerService:
                 await self.rollouts.abort(self._db(), rollout)
             self._learners.pop(policy, None)
             raise
+        if shadow is not None and not shadow.serves:  # committed rolled back: never served
+            log.warning("%s@%d rolled back by the shadow check: %s", policy, step, shadow.reason)
+            await self.discard_rolled_back()
+            return
         serving = await self.rollouts.protect(self._db(), policy) if self.rollouts is not None else ()
         old = step - self.config.keep_checkpoints
         if old >= 1 and old not in serving:  # a canary's incumbent stays loaded (trainer/rollout.py)
@@ -600,12 +629,18 @@ class TrainerService:
     async def _recover_locked(self) -> list[tuple[str, int]]:
         root = self.config.checkpoint_dir
         await asyncio.to_thread(ckpt.clean_partial, root)
+        # a rolled-back step whose checkpoint a crash left (no learner may resume from it, in any mode)
+        await self.discard_rolled_back()
         done = []
         for policy in await asyncio.to_thread(ckpt.checkpoint_policies, root):
             last = ckpt.latest_checkpoint(root, policy)
             db_step = await latest_step(self._db(), policy)
+            if self.shadow is not None:
+                self.shadow.settled(policy, last.step if last is not None and last.step > db_step else None)
             if last is None or last.step <= db_step:
                 continue
+            if self.shadow is not None and self.shadow.retry_in(policy, last.step):
+                continue  # its shadow check had no verdict: tried again (and re-loaded) when it is due
             if last.step != db_step + 1:
                 log.warning(
                     "checkpoints of %r reach step %d but the database only step %d (another database?); "
@@ -636,12 +671,36 @@ class TrainerService:
             except StepConflict as exc:
                 log.warning("discarded uncommitted checkpoint %s: %s", last.path, exc)
                 continue
+            except ShadowPending as exc:  # its check has no verdict yet: the next poll tries again
+                log.warning("%s", exc)
+                continue
             log.info(
                 "recovered step %d of %r from its checkpoint (saved, not committed before a restart)",
                 last.step,
                 policy,
             )
             done.append((policy, last.step))
+        return done
+
+    async def discard_rolled_back(self) -> list[tuple[str, int]]:
+        """Delete the checkpoints of rolled-back steps (a canary's or the shadow check's), forget their
+        paths, drop a learner holding their weights and unload their adapters (idempotent: a crash in
+        between is finished next time); the (policy, step) cleaned."""
+        engine = self._db()
+        done = []
+        for policy, step, path in await rollout_store.rolled_back_adapters(engine):
+            await asyncio.to_thread(ckpt.discard, ckpt.Checkpoint(policy, step, Path(path)))
+            await forget_adapter_paths(engine, policy, [step])
+            learner = self._learners.get(policy)
+            if learner is not None and learner.step == step:
+                self._learners.pop(policy, None)  # the next step starts from the incumbent's checkpoint
+            task = asyncio.create_task(
+                unload_quietly(self.backend, adapter_name(policy, step), self.config.unload_grace)
+            )
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+            log.info("rolled back %s@%d: checkpoint %s deleted, adapter unloaded", policy, step, path)
+            done.append((policy, step))
         return done
 
     # ------------------------------------------------------------------ feedback

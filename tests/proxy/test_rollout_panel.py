@@ -14,6 +14,7 @@ from rlproxy.compose import PUBLIC_PATHS
 from rlproxy.proxy import errors, routes_rollouts
 from rlproxy.proxy.auth import is_admin_path
 from rlproxy.storage import rollouts as store
+from rlproxy.storage import shadow as shadow_store
 from rlproxy.storage.db import create_engine, upgrade
 
 
@@ -61,3 +62,45 @@ async def test_panel_page_and_data(tmp_path: Path) -> None:
     finally:
         await engine.dispose()
     assert "/rollouts" in PUBLIC_PATHS and is_admin_path("/v1/training/rollouts")
+
+
+async def test_shadow_checks_route_and_page(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}"
+    upgrade(url)
+    engine = create_engine(url)
+    try:
+        cid = await shadow_store.start_check(
+            engine, policy="<b>p</b>", step=2, serving=1, margin=0.05, scorer="checks"
+        )
+        pairs = [{"completion_id": 7, "candidate": 0.0, "serving": 1.0}]
+        await shadow_store.finish_check(
+            engine,
+            cid,
+            status="failed",
+            reason="r",
+            prompts=1,
+            candidate_score=0.0,
+            serving_score=1.0,
+            pairs=pairs,
+        )
+        app = FastAPI()
+        app.state.proxy = SimpleNamespace(engine=engine)
+        errors.install(app)
+        app.include_router(routes_rollouts.router)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            [row] = (await http.get("/v1/training/shadow_checks?policy=<b>p</b>")).json()["data"]
+            assert (row["candidate_step"], row["serving_step"], row["status"], row["pairs"]) == (
+                2,
+                1,
+                "failed",
+                pairs,
+            )
+            assert (await http.get("/v1/training/shadow_checks?policy=q")).json()["data"] == []
+            assert (await http.get("/v1/training/shadow_checks?limit=0")).status_code == 422
+            page = (await http.get("/rollouts")).text
+    finally:
+        await engine.dispose()
+    assert is_admin_path("/v1/training/shadow_checks")
+    # data reaches the page as text: no innerHTML but the chart's clearing
+    assert "/v1/training/shadow_checks" in page and "textContent = fmt(v)" in page
+    assert [line.strip() for line in page.splitlines() if "innerHTML" in line] == ['svg.innerHTML = "";']

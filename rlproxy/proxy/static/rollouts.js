@@ -1,5 +1,5 @@
 // The canary panel (/rollouts): the newest rollouts, and for the chosen one (`#id=N`) each arm's
-// running mean reward by rewarded run. Every value from the API is set with textContent (a policy
+// running mean reward by rewarded run; then the shadow checks (issue 54). Every value from the API is set with textContent (a policy
 // name or a reason is data, never HTML); the page's CSP allows no inline script. The admin key is the
 // dashboard's: its input field or `#key=` (a fragment, never sent), kept in localStorage.
 "use strict";
@@ -66,6 +66,18 @@
       tbody.append(tr);
     }
     $("rows-note").textContent = body.data.length ? "" : "no rollout yet: one starts when a new step is trained with rollouts on";
+    const sh = await fetch("v1/training/shadow_checks", { headers });
+    if (sh.ok) {
+      $("shadow").tBodies[0].replaceChildren(...(await sh.json()).data.map((x) => {
+        const tr = document.createElement("tr");
+        tr.append(
+          cell(x.id), cell(x.policy), cell(x.candidate_step), cell(x.serving_step), cell(x.prompts),
+          cell(`${fmt(x.candidate_score)} / ${fmt(x.serving_score)}`), cell(fmt(x.margin)), cell(x.scorer),
+          cell(x.status), cell(x.reason || "", "reason"),
+        );
+        return tr;
+      }));
+    }
     if (body.chart) {
       const c = body.chart;
       $("title").textContent = `rollout ${c.id} (${c.policy}): step ${c.candidate_step} vs ${c.incumbent_step}, ${c.status}`;
