@@ -181,7 +181,8 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         )
         # a stream's relay watches the client itself (proxy/stream.py); a plain call is raced here
         resp = await (call_upstream if stream else _unless_gone(call_upstream, scope, receive))
-        if endpoint == Endpoint.MESSAGES and resp.status_code == 400:
+        if endpoint == Endpoint.MESSAGES and resp.status_code == 400 and text_only is None:
+            # the engine's context refusal (a provider's is the answer: hosted policies never fall back)
             resp = await _unclamped(px, resp, rec, upstream_body, headers, stream, run_id)
         step_header = (b"x-policy-step", str(step).encode())
         if stream:
