@@ -26,6 +26,7 @@ the guard's 401/403/415, the limits' 413/503 and the routes' 400/404/502 all get
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from rlproxy.proxy import responses
 from rlproxy.wire.message_events import MessageEvents, count_object, message_object, new_message_id
 from rlproxy.wire.messages import MessagesInputError, chat_request, count_request, error_body, error_status
 
+logger = logging.getLogger(__name__)
 _CONTEXT = re.compile(rb"maximum context length|max_model_len", re.IGNORECASE)  # the engine, vLLM
 
 
@@ -114,10 +116,12 @@ async def count_tokens(px, body: dict, headers: list) -> Response:
     resp = await upstream.post(b"/tokenize", headers, orjson.dumps(tokenize), b"", False)
     content = resp.content
     if resp.status_code != 200:
+        said = content.decode("utf-8", "replace")[:500] if resp.status_code < 500 else "(logged)"
+        if resp.status_code >= 500:  # a traceback or paths, maybe: the log's, not the client's
+            logger.warning("POST /tokenize answered %d: %s", resp.status_code, content[:2000])
         raise APIError(
             502 if resp.status_code >= 500 or resp.status_code == 404 else resp.status_code,
-            f"the upstream could not count tokens (POST /tokenize answered {resp.status_code}): "
-            + content.decode("utf-8", "replace")[:500],
+            f"the upstream could not count tokens (POST /tokenize answered {resp.status_code}): {said}",
         )
     return Response(orjson.dumps(count_object(orjson.loads(content))), media_type="application/json")
 

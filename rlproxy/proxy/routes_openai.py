@@ -283,6 +283,8 @@ def _answer(
     px.writer.submit(rec)
     px.metrics.observe(rec.endpoint, outcome, rec.latency_ms / 1000.0)
     headers = forward.response_headers(resp.headers)
+    if resp.status_code >= 500:  # its body may name paths and hold a traceback: stored and logged only
+        content, headers = errors.upstream_failure(resp.status_code, content, headers, rec.run_id)
     headers += ((b"content-length", str(len(content)).encode()), step_header)
     return _Answer(resp.status_code, headers, content)
 
