@@ -20,8 +20,9 @@ serves (`hosted_upstreams = "teacher=https://api.openai.com/v1"`); for those:
   runs, status_reason `hosted`, and counts them), always SFT/distillation data
   (`rlproxy sft --from-policy teacher`);
 - every answer of the provider reaches the client as the provider gave it: 400, 401, 429 with its
-  `Retry-After` (and `x-ratelimit-*`), 5xx; it is stored as an error row. A stream the provider cuts
-  is stored as cut (status error) and the client's stream is cut too. A 401/403 is also logged once
+  `Retry-After` (and `x-ratelimit-*`), 5xx (its body to the log: `errors.upstream_failure`); it is
+  stored as an error row. A stream the provider cuts is stored as cut (status error) and the
+  client's stream is cut too. A 401/403 is also logged once
   for the operator: it means rlproxy's key for the provider is wrong, not the client's.
 
 Other policies (the trainable `student`) stay on the backend (embedded engine or vLLM), so an app
