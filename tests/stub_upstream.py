@@ -7,7 +7,9 @@ nulls when it does not; `GET /v1/models`, `GET /health`, and vLLM's adapter rout
 
 Behaviour knobs: `delay` seconds before answering (the model's pace; a streaming answer spreads it
 over its chunks), `tokens` per choice. A request header `x-stub-delay: S` overrides the delay for
-that request (the proxy's timeout test uses it).
+that request (the proxy's timeout test uses it). `record=True` keeps every request as (method, path,
+headers, body) in `.seen`; `fail_next` holds (status, body) answers a completion request gets first,
+in order (a provider's refusal, an engine's 500 with its traceback).
 
     python tests/stub_upstream.py --port 9100 --delay 0.05
 
@@ -24,19 +26,30 @@ import time
 import orjson
 
 MODEL = "stub-model"
-_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}
+_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Internal Server Error"}
 
 
 class StubUpstream:
     """The stub server; `await start()` then use `.url`; `await stop()`."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, delay: float = 0.0, tokens: int = 8) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        delay: float = 0.0,
+        tokens: int = 8,
+        record: bool = False,
+    ) -> None:
         self.host = host
         self.port = port
         self.delay = delay
         self.tokens = tokens
         self.requests = 0
         self.disconnects = 0  # streams the client (the proxy) cut short
+        self.record = record
+        self.seen: list[tuple[bytes, bytes, dict[bytes, bytes], bytes]] = []
+        self.fail_next: list[tuple[int, bytes]] = []
+        self.answer_text: str | None = None  # every chat answer's content, when set (else t100 t101 ...)
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -71,8 +84,15 @@ class StubUpstream:
                         headers[k.strip().lower()] = v.strip()
                 n = int(headers.get(b"content-length", b"0"))
                 body = await reader.readexactly(n) if n else b""
+                if self.record:
+                    self.seen.append((method, path, headers, body))
                 if path.endswith(b"completions"):
                     self.requests += 1
+                    if self.fail_next:
+                        status, failure = self.fail_next.pop(0)
+                        self._send(writer, status, failure)
+                        await writer.drain()
+                        continue
                 delay = float(headers[b"x-stub-delay"]) if b"x-stub-delay" in headers else self.delay
                 await self._handle(method, path.split(b"?")[0], body, delay, writer)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, RuntimeError):
@@ -144,7 +164,7 @@ class StubUpstream:
         want_lp = req.get("logprobs") not in (None, False)
         choices = []
         for i, ids in enumerate(outs):
-            text = " ".join(f"t{t}" for t in ids)
+            text = self.answer_text if self.answer_text is not None else " ".join(f"t{t}" for t in ids)
             c: dict = {"index": i}
             if chat:
                 c["message"] = {"role": "assistant", "content": text, "tool_calls": []}
@@ -216,10 +236,13 @@ class StubUpstream:
                 tok = [ids[t]]
                 last = t == self.tokens - 1
                 c: dict = {"index": i}
+                piece = f"t{ids[t]}" + ("" if last else " ")
+                if self.answer_text is not None:
+                    piece = self.answer_text if t == 0 else ""
                 if chat:
-                    c["delta"] = {"content": f"t{ids[t]}" + ("" if last else " ")}
+                    c["delta"] = {"content": piece}
                 else:
-                    c["text"] = f"t{ids[t]}" + ("" if last else " ")
+                    c["text"] = piece
                 c["logprobs"] = self._logprobs(tok, chat) if want_lp else None
                 c["finish_reason"] = "length" if last else None
                 if last:

@@ -307,6 +307,15 @@ def _checkpoint_base(checkpoint_dir: str, policy: str) -> str | None:
     return None
 
 
+def _folder_name(policy: str, hint: str) -> None:
+    """A policy written to disk gets a folder of its own under the checkpoint folder (checkpoint.py's
+    `policy_dir` keeps `.` and `-`): `.`, `..` or nothing would write beside or above it."""
+    if policy in ("", ".", ".."):
+        raise typer.BadParameter(
+            f"{policy!r} is no policy name: its checkpoints need a folder of their own", param_hint=hint
+        )
+
+
 @app.command(epilog=ENV_NOTE)
 def sft(
     ctx: typer.Context,
@@ -379,6 +388,7 @@ def sft(
         )
     if into is not None and publish:
         raise typer.BadParameter("give --into NEW_POLICY or --publish, not both", param_hint="--into")
+    _folder_name(into or policy, "--into" if into is not None else "--policy")
     settings = make_settings(
         db_url=db, upstream=upstream, model=model, checkpoint_dir=checkpoint_dir, learning_rate=learning_rate
     )
@@ -430,6 +440,7 @@ def fork(
     """Start a new policy from a step: NEW_POLICY@1 is POLICY@N (adapter and optimizer state)."""
     from rlproxy.cli import processes  # lazy: the web stack and the composition root
 
+    _folder_name(new_policy, "NEW_POLICY")
     settings = make_settings(db_url=db, checkpoint_dir=checkpoint_dir)
     _existing_db(settings.db_url)
     saved = asyncio.run(processes.fork(settings, source, new_policy))

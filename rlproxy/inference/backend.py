@@ -25,7 +25,9 @@ def adapter_name(policy: str, step: int) -> str:
 def parse_adapter_name(model: str) -> tuple[str, int] | None:
     """(policy, step) of a `{policy}@{step}` name, or None when `model` is not one."""
     policy, at, step = model.rpartition("@")
-    return (policy, int(step)) if at and step.isdigit() else None
+    # ASCII digits only (`"²".isdigit()` is True, `int("²")` raises), and a step a 64-bit column holds
+    ok = at and step.isascii() and step.isdigit() and len(step) < 19
+    return (policy, int(step)) if ok else None
 
 
 @runtime_checkable

@@ -35,6 +35,7 @@ from starlette.responses import Response
 
 from rlproxy.errors import APIError
 from rlproxy.proxy.rules import ROUTE_RULES
+from rlproxy.proxy.validate import Int64
 from rlproxy.storage import overview, queries
 from rlproxy.storage.step_columns import STEP_COLUMNS as METRIC_COLUMNS
 from rlproxy.storage.step_columns import STEP_METRIC_COLUMNS
@@ -175,14 +176,14 @@ def _limit(limit: int, most: int = queries.MAX_LIMIT) -> int:
 
 
 @router.get("/v1/training/metrics")
-async def training_metrics(request: Request, policy: str | None = None, limit: int = 1000) -> Response:
+async def training_metrics(request: Request, policy: str | None = None, limit: Int64 = 1000) -> Response:
     """Per-step learning metrics for the dashboard's charts (operators only: `/v1/training`)."""
     body = await step_metrics(request.app.state.proxy.engine, policy=policy, limit=_limit(limit))
     return _json(body)
 
 
 @router.get("/v1/training/groups")
-async def training_groups(request: Request, policy: str | None = None, limit: int = 1000) -> Response:
+async def training_groups(request: Request, policy: str | None = None, limit: Int64 = 1000) -> Response:
     """Every rewarded group over time, one point per outcome: trained, skipped (and why), failed,
     waiting or ungrouped; `runs` counts the rewarded training runs per outcome, as the status cards."""
     engine = request.app.state.proxy.engine
@@ -214,8 +215,8 @@ async def admin_runs(
     since: str | None = None,
     until: str | None = None,
     q: str | None = None,
-    limit: int = 50,
-    offset: int = 0,
+    limit: Int64 = 50,
+    offset: Int64 = 0,
 ) -> Response:
     """Runs under every filter the page offers, newest first, with the total for paging."""
     if offset < 0:

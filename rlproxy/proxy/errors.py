@@ -12,6 +12,9 @@ The upstream's address never reaches a client: a 502/504 about the model server 
 timed out, broke off, redirected, malformed) says what happened in words of its own
 (`public_message`); the log gets the whole message, URL included.
 
+An upstream's 5xx answer reaches the client as a generic error of the same status
+(`upstream_failure`): its body (a traceback, paths) goes to the log and the store only.
+
 A 500 tells the client nothing about the failure (no exception text, no traceback, no SQL): it
 gets a generic message with an error id, and the log gets the id with the whole traceback. A
 client that went away mid-request is logged quietly and answered nothing.
@@ -83,6 +86,22 @@ _PUBLIC = (
     (BackendUnavailable, "The model server is unavailable or broke off its answer; retry later."),
 )
 MALFORMED = "The model server sent an answer that is not a valid completion."
+UPSTREAM_FAILED = "The model server had an error while processing your request; retry later."
+
+
+def upstream_failure(
+    status: int, body: bytes, headers: list, run_id: str | None = None
+) -> tuple[bytes, list]:
+    """What a client gets for an upstream's 5xx answer `body`: a generic OpenAI error with the same
+    status (an SDK retries it as before), never the body itself, which may hold the server's
+    traceback, paths and address; the log gets the body whole. A 4xx body is the client's to read
+    (what it got wrong) and is relayed as sent."""
+    logger.warning(
+        "upstream answered %d (run %s), not relayed: %s", status, run_id, body.decode("utf-8", "replace")
+    )
+    out = error_body(status, UPSTREAM_FAILED, code="upstream_error")
+    kept = [(k, v) for k, v in headers if k != b"content-type"]  # (its length: the caller's to add)
+    return out, [*kept, (b"content-type", b"application/json")]
 
 
 def public_message(exc: BaseException) -> str:

@@ -47,6 +47,7 @@ from rlproxy.errors import (
     BackendUnreachable,
 )
 from rlproxy.proxy import http11
+from rlproxy.proxy.errors import upstream_failure
 
 HOP_BY_HOP = frozenset(
     {
@@ -70,6 +71,7 @@ _RELAY_DROP = (HOP_BY_HOP - {b"content-length"}) | {b"server", b"date"}
 _NO_BODY = frozenset({204, 304})
 _KEEPALIVE_S = 4.0  # below uvicorn's default 5 s keep-alive: we close an idle connection first
 _CONNECT_S = 10.0
+_FAILURE_LOGGED = 64 * 1024  # of a relayed 5xx body, what is read for the log
 # aiohttp adds these unless told not to; the client's own (if any) are forwarded instead
 _SKIP_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
@@ -274,6 +276,18 @@ class Upstream:
                 "relayed: use the route's canonical path"
             )
         headers_out = response_headers([(k.lower(), v) for k, v in raw.raw_headers], _RELAY_DROP)
+        if raw.status >= 500:  # never its body (a traceback, paths): proxy/errors.py `upstream_failure`
+            try:
+                failed = await raw.content.read(_FAILURE_LOGGED)
+            except (aiohttp.ClientError, OSError):
+                failed = b""
+            finally:
+                raw.close()
+            headers_out = [(k, v) for k, v in headers_out if k != b"content-length"]
+            body, headers_out = upstream_failure(raw.status, failed, headers_out)
+            out = Response(body, status_code=raw.status)
+            out.raw_headers = [*headers_out, (b"content-length", str(len(body)).encode())]
+            return out
         if raw.status in _NO_BODY:
             headers_out = [(k, v) for k, v in headers_out if k != b"content-length"]
         out = StreamingResponse(self._body(raw, path), status_code=raw.status)

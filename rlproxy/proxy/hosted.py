@@ -8,15 +8,21 @@ serves (`hosted_upstreams = "teacher=https://api.openai.com/v1"`); for those:
 - the request goes as the client wrote it: only `model` is mapped (`hosted_models`, else the
   client's name as written), no `return_token_ids`/`logprobs` are added, nothing is stripped;
 - the provider's key goes with it (`hosted_api_keys` names an environment variable per policy, else
-  `upstream_api_key`); the client's own `Authorization` and rlproxy's run headers never do;
+  `upstream_api_key`); of the client's headers only `PASSED` do (what describes the request body
+  and its retry: content type, accepted types and encoding, user agent, `Idempotency-Key`,
+  `OpenAI-Beta`), never its `Authorization`/`x-api-key`, cookies, `OpenAI-Organization` or
+  `OpenAI-Project` (they pick whom the operator's key bills), `X-Forwarded-For`/`Forwarded` (the
+  app's addresses), rlproxy's run headers, the SDKs' `X-Stainless-*` telemetry (the client's OS and
+  runtime) or Anthropic's headers (the provider is asked in chat-completions form);
 - streams are relayed byte for byte as they arrive (nothing to rewrite: `capture.Injected()` is empty);
 - the row keeps messages, tool calls and usage with `prompt_token_ids`, `token_ids`, `logprobs` NULL
   and `completions.source = 'hosted'` (migration 0012): never a GRPO sample (the trainer skips such
   runs, status_reason `hosted`, and counts them), always SFT/distillation data
   (`rlproxy sft --from-policy teacher`);
 - every answer of the provider reaches the client as the provider gave it: 400, 401, 429 with its
-  `Retry-After` (and `x-ratelimit-*`), 5xx; it is stored as an error row. A stream the provider cuts
-  is stored as cut (status error) and the client's stream is cut too. A 401/403 is also logged once
+  `Retry-After` (and `x-ratelimit-*`), 5xx (its body to the log: `errors.upstream_failure`); it is
+  stored as an error row. A stream the provider cuts is stored as cut (status error) and the
+  client's stream is cut too. A 401/403 is also logged once
   for the operator: it means rlproxy's key for the provider is wrong, not the client's.
 
 Other policies (the trainable `student`) stay on the backend (embedded engine or vLLM), so an app
@@ -39,8 +45,11 @@ from rlproxy.storage.records import CompletionRecord
 logger = logging.getLogger(__name__)
 
 HOSTED = "hosted"  # completions.source of a row a text-only upstream answered
-# rlproxy's own request headers: they name runs in our store, the provider has no use for them
-_OURS = frozenset({b"x-run-id", b"x-group-id", b"x-split"})
+# The client headers a provider is sent (module doc): an allowlist, so a header nobody thought of
+# (a cookie, a billing selector, a forwarded address) stays here under the operator's key
+PASSED = frozenset(
+    {b"content-type", b"accept", b"accept-encoding", b"user-agent", b"idempotency-key", b"openai-beta"}
+)
 
 
 def _pairs(spec: str, what: str) -> dict[str, str]:
@@ -106,8 +115,8 @@ def provider_models(specs: dict[str, HostedSpec]) -> dict[str, str | None]:
 
 
 class HostedUpstream:
-    """One provider: `forward.Upstream`'s `post`, minus rlproxy's headers, plus an operator warning
-    when the provider refuses rlproxy's key."""
+    """One provider: `forward.Upstream`'s `post` with the client's `PASSED` headers only, plus an
+    operator warning when the provider refuses rlproxy's key."""
 
     def __init__(self, spec: HostedSpec, upstream: Upstream) -> None:
         self.spec = spec
@@ -119,7 +128,7 @@ class HostedUpstream:
         self, path: bytes, headers: list, body: bytes, query: bytes, stream: bool, run_id: str | None = None
     ) -> http11.Response:
         resp = await self.upstream.post(
-            path, [(k, v) for k, v in headers if k not in _OURS], body, query, stream, run_id
+            path, [(k, v) for k, v in headers if k in PASSED], body, query, stream, run_id
         )
         if resp.status_code in (401, 403) and not self._warned_auth:
             self._warned_auth = True

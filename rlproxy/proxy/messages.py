@@ -11,11 +11,14 @@ Stored like a Responses call (migration 0003): `request`/`response` hold the cha
 Agent CLIs (Claude Code) ask for `max_tokens: 32000` whatever the model's context: when the
 upstream refuses a request because prompt + `max_tokens` pass the context length, it is sent again
 without `max_tokens` (chat completions then stop where the context is full: the ceiling clamped to
-what the context leaves), and that is the request stored. The query string (`?beta=true`) is not
-forwarded; `anthropic-beta` / `anthropic-version` headers are accepted (the upstream ignores them).
+what the context leaves), and that is the request stored. A hosted policy's call is never sent
+again (nor to another upstream): the provider's refusal is the answer (proxy/hosted.py). The
+query string (`?beta=true`) is not forwarded; `anthropic-beta` / `anthropic-version` headers are
+accepted (the upstream ignores them).
 
 `count_tokens` is served over the upstream's `POST /tokenize` (vLLM's, and the embedded engine's):
-the prompt of the translated chat body, counted by the model's own chat template.
+the prompt of the translated chat body, counted by the model's own chat template; a hosted
+policy's by its provider's `/tokenize` (a provider without one: 502, as documented).
 
 Errors on these routes are in Anthropic's shape (`AnthropicErrors`, outermost in the ASGI stack, so
 the guard's 401/403/415, the limits' 413/503 and the routes' 400/404/502 all get it), with 422 as 400.
@@ -23,6 +26,7 @@ the guard's 401/403/415, the limits' 413/503 and the routes' 400/404/502 all get
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -35,6 +39,7 @@ from rlproxy.proxy import responses
 from rlproxy.wire.message_events import MessageEvents, count_object, message_object, new_message_id
 from rlproxy.wire.messages import MessagesInputError, chat_request, count_request, error_body, error_status
 
+logger = logging.getLogger(__name__)
 _CONTEXT = re.compile(rb"maximum context length|max_model_len", re.IGNORECASE)  # the engine, vLLM
 
 
@@ -101,17 +106,22 @@ async def count_tokens(px, body: dict, headers: list) -> Response:
         chat = count_request(body)
     except MessagesInputError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
-    _, _, model = px.policies.resolve(chat.get("model"))
+    policy, _, model = px.policies.resolve(chat.get("model"))
+    # a hosted policy's prompt is counted by its provider (or not at all: the 502 below), never by
+    # the engine, whose tokenizer is not the provider's
+    upstream = (px.hosted.get(policy) if px.hosted else None) or px.upstream
     tokenize = {"model": model, "messages": chat["messages"], "add_generation_prompt": True}
     if chat.get("tools"):
         tokenize["tools"] = chat["tools"]
-    resp = await px.upstream.post(b"/tokenize", headers, orjson.dumps(tokenize), b"", False)
+    resp = await upstream.post(b"/tokenize", headers, orjson.dumps(tokenize), b"", False)
     content = resp.content
     if resp.status_code != 200:
+        said = content.decode("utf-8", "replace")[:500] if resp.status_code < 500 else "(logged)"
+        if resp.status_code >= 500:  # a traceback or paths, maybe: the log's, not the client's
+            logger.warning("POST /tokenize answered %d: %s", resp.status_code, content[:2000])
         raise APIError(
             502 if resp.status_code >= 500 or resp.status_code == 404 else resp.status_code,
-            f"the upstream could not count tokens (POST /tokenize answered {resp.status_code}): "
-            + content.decode("utf-8", "replace")[:500],
+            f"the upstream could not count tokens (POST /tokenize answered {resp.status_code}): {said}",
         )
     return Response(orjson.dumps(count_object(orjson.loads(content))), media_type="application/json")
 

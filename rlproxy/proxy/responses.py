@@ -87,7 +87,8 @@ async def prepare(px, body: dict) -> Call:
 
 async def _stored(px, response_id: str, peer_grace: bool = False) -> dict | None:
     row = _decode(await queries.stored_response(px.engine, response_id))
-    if row is None:  # perhaps still in the writer's queue: the previous turn ended just now
+    if row is None and px.writer.may_hold(response_id):  # queued: the previous turn ended just now
+        # (only then: a flush for an id this replica never queued made unknown ids cost a commit)
         try:
             await asyncio.wait_for(px.writer.flush(), px.settings.store_wait_timeout)
         except TimeoutError:

@@ -181,7 +181,8 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         )
         # a stream's relay watches the client itself (proxy/stream.py); a plain call is raced here
         resp = await (call_upstream if stream else _unless_gone(call_upstream, scope, receive))
-        if endpoint == Endpoint.MESSAGES and resp.status_code == 400:
+        if endpoint == Endpoint.MESSAGES and resp.status_code == 400 and text_only is None:
+            # the engine's context refusal (a provider's is the answer: hosted policies never fall back)
             resp = await _unclamped(px, resp, rec, upstream_body, headers, stream, run_id)
         step_header = (b"x-policy-step", str(step).encode())
         if stream:
@@ -282,6 +283,8 @@ def _answer(
     px.writer.submit(rec)
     px.metrics.observe(rec.endpoint, outcome, rec.latency_ms / 1000.0)
     headers = forward.response_headers(resp.headers)
+    if resp.status_code >= 500:  # its body may name paths and hold a traceback: stored and logged only
+        content, headers = errors.upstream_failure(resp.status_code, content, headers, rec.run_id)
     headers += ((b"content-length", str(len(content)).encode()), step_header)
     return _Answer(resp.status_code, headers, content)
 

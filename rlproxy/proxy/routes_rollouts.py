@@ -17,6 +17,7 @@ from fastapi.responses import FileResponse
 
 from rlproxy.errors import APIError
 from rlproxy.proxy.dashboard import SECURITY_HEADERS
+from rlproxy.proxy.validate import Int64, OptInt64
 from rlproxy.storage import rollouts as store
 from rlproxy.storage import shadow as shadow_store
 
@@ -32,7 +33,7 @@ async def page() -> FileResponse:
 
 
 @router.get("/v1/training/rollouts")
-async def rollouts(request: Request, id: int | None = None, limit: int = 20) -> Response:
+async def rollouts(request: Request, id: OptInt64 = None, limit: Int64 = 20) -> Response:
     """The newest `limit` rollouts, and the series of rollout `id` (default: the newest)."""
     if not 1 <= limit <= 1000:
         raise APIError(422, "limit: must be between 1 and 1000", param="limit", code="invalid_value")

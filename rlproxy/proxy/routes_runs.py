@@ -26,6 +26,8 @@ for a run waiting for the judge 409, the judge off (`RLPROXY_JUDGE=off`, no poli
 
 from __future__ import annotations
 
+import hmac
+import logging
 import math
 import time
 
@@ -33,12 +35,14 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from rlproxy.errors import APIError
+from rlproxy.errors import APIError, StorageError
 from rlproxy.proxy import runkey, validate
+from rlproxy.proxy.validate import Int64
 from rlproxy.storage import queries
 from rlproxy.storage.errors import StoreUnavailable
 from rlproxy.storage.training import singleton_notice
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 _JSON = "application/json"
@@ -208,9 +212,21 @@ async def _reward(px, receive, declared: bytes | None, run_id: str, judge: bool 
         )
     remaining = max(0.05, deadline - time.monotonic())
     with px.runs.closing(run_id):
-        stored = await px.writer.reward(
-            run_id, reward, metrics, metadata, timeout=remaining, rubric=rubric, split=split
-        )
+        try:
+            stored = await px.writer.reward(
+                run_id, reward, metrics, metadata, timeout=remaining, rubric=rubric, split=split
+            )
+        except StorageError as exc:
+            if exc.status < 500:  # the client's to fix (no such run, a conflict): a line, not an error
+                logger.info(
+                    "%s of run %r refused (%d %s): %s",
+                    "completion" if judge else "reward",
+                    run_id,
+                    exc.status,
+                    exc.code,
+                    exc,
+                )
+            raise
         px.runs.close(run_id)  # no more turns into this reward (proxy/runstate.py)
     if reward is None:
         return _json({"run_id": run_id, "reward": None, "judge": True, "stored": stored})
@@ -222,7 +238,7 @@ async def list_runs(
     request: Request,
     status: str | None = None,
     group_id: str | None = None,
-    limit: int = 50,
+    limit: Int64 = 50,
     cursor: str | None = None,
 ) -> Response:
     """Recent runs, newest first; pass `next_cursor` back as `cursor` for the next page."""
@@ -259,12 +275,42 @@ async def get_run(request: Request, run_id: str) -> Response:
         run = await queries.get_run(px.engine, run_id)
     if run is None:
         raise APIError(404, f"run {run_id!r} not found", code="not_found")
+    if not _operator(px.settings, request.headers):
+        _agents_view(run)
     return _json(run)
 
 
+AGENTS_ERROR = "the model server failed (status {status}); the operator's log and store have the detail"
+
+
+def _operator(settings, headers) -> bool:
+    """Whether the caller holds the admin key, or the proxy has no key at all (then every route,
+    the operator's included, is open: nothing here is hidden from anyone)."""
+    if settings.admin_key is None:
+        return settings.api_key is None
+    sent = headers.get("authorization") or ("Bearer " + headers.get("x-api-key", ""))
+    return hmac.compare_digest(sent.encode(), f"Bearer {settings.admin_key}".encode())
+
+
+def _agents_view(run: dict) -> None:
+    """A run as an agent sees it: a failed call's error says what the agent was told, not what the
+    store keeps (the upstream's address, its 5xx body with paths and a traceback). A 4xx error is
+    the refusal the client got, and stays."""
+    for c in run.get("completions") or ():
+        status = c.get("status_code")
+        if isinstance(status, int) and 400 <= status < 500:
+            continue
+        if c.get("error"):
+            c["error"] = AGENTS_ERROR.format(status=status)
+        if c.get("status") == "error" and not (isinstance(status, int) and status < 400):
+            c["response"] = None
+
+
 @router.get("/v1/training/steps")
-async def training_steps(request: Request, policy: str | None = None, limit: int = 100) -> Response:
+async def training_steps(request: Request, policy: str | None = None, limit: Int64 = 100) -> Response:
     """Training steps, newest first."""
+    if not 1 <= limit <= 1000:
+        raise APIError(422, "limit: must be between 1 and 1000", param="limit", code="invalid_value")
     px = request.app.state.proxy
     steps = await queries.list_training_steps(px.engine, policy=policy, limit=limit)
     return _json({"object": "list", "data": steps, "policies": px.policies.steps})

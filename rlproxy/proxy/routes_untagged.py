@@ -7,6 +7,7 @@ An app that changed only its base URL sends no `X-Run-Id`: each of its requests 
                                             (`limit`, `before` for paging), as the `untagged` view
     POST /v1/completions/{reply_id}/reward  agents: the reward of the response whose `id` was
                                             `reply_id` (`chatcmpl-...`, `cmpl-...`, `resp_...`)
+    POST /v1/completions/{reply_id}/complete  the same for the judge (as `/v1/runs/{id}/complete`)
 
 The reward route makes the reply a one-call run named `reply_id` (its group: the default group of
 its prompt, as for any run, so replies to the same prompt group together), then stores the reward
@@ -24,13 +25,14 @@ from starlette.responses import Response
 
 from rlproxy.errors import APIError
 from rlproxy.proxy import routes_runs, runkey
+from rlproxy.proxy.validate import Int64, OptInt64
 from rlproxy.storage import untagged
 
 router = APIRouter()
 
 
 @router.get("/v1/admin/untagged")
-async def list_untagged(request: Request, limit: int = 50, before: int | None = None) -> Response:
+async def list_untagged(request: Request, limit: Int64 = 50, before: OptInt64 = None) -> Response:
     """The number of untagged requests and the newest `limit` of them (operators only)."""
     if not 1 <= limit <= 1000:
         raise APIError(422, "limit: must be between 1 and 1000", param="limit", code="invalid_value")
@@ -41,8 +43,10 @@ async def list_untagged(request: Request, limit: int = 50, before: int | None = 
 
 
 @router.post("/v1/completions/{reply_id}/reward")
+@router.post("/v1/completions/{reply_id}/complete")  # served here, never relayed to the upstream
 async def post_reply_reward(request: Request, reply_id: str) -> Response:
-    """The reward of one untagged response, named by the `id` it carried (see the module doc)."""
+    """The reward of one untagged response, named by the `id` it carried, or (`/complete`) its
+    completion for the judge (see the module doc)."""
     runkey.check_id(reply_id, "reply id")
     px = request.app.state.proxy
     found = await untagged.find_reply(px.engine, reply_id)
@@ -81,4 +85,6 @@ async def post_reply_reward(request: Request, reply_id: str) -> Response:
                 code="reply_in_run",
             )
     declared = request.headers.get("content-length")
-    return await routes_runs._reward(px, request.receive, declared.encode() if declared else None, reply_id)
+    judge = request.url.path.endswith("/complete")
+    body = declared.encode() if declared else None
+    return await routes_runs._reward(px, request.receive, body, reply_id, judge=judge)

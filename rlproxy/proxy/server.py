@@ -19,7 +19,9 @@ in. `LimitedHttpToolsProtocol` keeps httptools' speed and adds, per connection:
   scope's `extensions["rlproxy.hangup"]` (a `Hangup`) and the protocol calls it from
   `connection_lost`, so a route needs no task of its own watching `receive()` for `http.disconnect`;
 - the access log goes to the `rlproxy.access` logger, which no other uvicorn server in the process
-  can switch off (the embedded engine's uvicorn.Config resets the global `uvicorn.access` one).
+  can switch off (the embedded engine's uvicorn.Config resets the global `uvicorn.access` one); the
+  values of query parameters that carry secrets (`SECRET_PARAMS`: `?key=`, `?api_key=`, `?token=`,
+  ...) are written as `[redacted]` (a browser or a script may put a key in the URL).
 
 Every refusal is in OpenAI's error shape. `config(app, settings, ...)` is the uvicorn.Config that
 `rlproxy serve` runs.
@@ -32,6 +34,7 @@ import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote_plus
 
 import httptools
 import uvicorn
@@ -43,6 +46,33 @@ from rlproxy.settings import Settings
 
 logger = logging.getLogger(__name__)
 ACCESS_LOGGER = logging.getLogger("rlproxy.access")
+SECRET_PARAMS = frozenset({"key", "api_key", "api-key", "apikey", "token", "access_token", "admin_key"})
+
+
+def redact_query(path: str) -> str:
+    """`path` (with its query string) with the values of `SECRET_PARAMS` replaced (names compared
+    decoded and lower-cased, so `?KEY=` and `?%6Bey=` are found too)."""
+    base, _, query = path.partition("?")
+    parts = []
+    for part in query.split("&"):
+        name, eq, _value = part.partition("=")
+        if eq and unquote_plus(name).strip().lower() in SECRET_PARAMS:
+            part = f"{name}=[redacted]"
+        parts.append(part)
+    return f"{base}?{'&'.join(parts)}"
+
+
+class _RedactQuery(logging.Filter):
+    """On the access logger: uvicorn's line is `'%s - "%s %s HTTP/%s" %d'`, the path third."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str) and "?" in args[2]:
+            record.args = (args[0], args[1], redact_query(args[2]), args[3], args[4])
+        return True
+
+
+ACCESS_LOGGER.addFilter(_RedactQuery())
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,18 @@ The U+0000 check is a byte search for its escape, walked only on a hit.
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import orjson
+from fastapi import Query
 
 from rlproxy.errors import APIError
 from rlproxy.storage.records import Endpoint
+
+# An integer query parameter (an id, a position, a limit): FastAPI takes any integer, the store binds
+# 64 bits, so a larger one was a 500 (issue 55); out of this range it is the 422 of a bad value.
+Int64 = Annotated[int, Query(ge=-(2**63), le=2**63 - 1)]
+OptInt64 = Annotated[int | None, Query(ge=-(2**63), le=2**63 - 1)]
 
 _INT = (int,)
 _NUM = (int, float)

@@ -16,6 +16,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import re
 import sqlite3
 import time
 import weakref
@@ -140,6 +141,30 @@ def _json_dumps(obj: Any) -> str:
     return json_bytes(obj).decode()
 
 
+# An escaped U+0000 (`\u0000`) not itself preceded by an escaped backslash (`\\u0000` is the text
+# backslash, u, 0000 and stays as it is)
+_NUL_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def pg_text(value: str) -> str:
+    """`value` as a PostgreSQL text column can hold it: U+0000 as U+FFFD (see `_pg_json_dumps`)."""
+    return value.replace("\x00", "\ufffd") if "\x00" in value else value
+
+
+def _pg_json_dumps(obj: Any) -> str:
+    """JSON for a PostgreSQL column: U+0000 in a string written as U+FFFD. PostgreSQL's text cannot
+    hold U+0000 and its JSON operators (`->>`, the `trajectories` view, `::jsonb`) refuse a `\\u0000`
+    escape, so one such character in a model's answer made the run unreadable (issue 55). Replaced,
+    not stripped or escaped: the text keeps its length and position and says something was there,
+    as a lone surrogate becomes U+FFFD (`records.storable`); the answer's exact tokens are its
+    `token_ids`. Clients cannot send U+0000 (refused at the edge), so only an upstream's text has
+    it. SQLite holds it as is."""
+    data = json_bytes(obj)
+    if b"\\u0000" in data:  # one scan of the bytes; the rewrite only when there is one
+        data = _NUL_ESCAPE.sub(rb"\1\\ufffd", data)
+    return data.decode()
+
+
 def _sqlite_factory(readonly: bool, statement_timeout_s: float | None) -> type[sqlite3.Connection]:
     """A sqlite3.Connection class with the limits set where SQLite enforces them.
 
@@ -226,7 +251,8 @@ def _create_engine(
 ) -> AsyncEngine:
     url = normalize_url(url)
     u = make_url(url)
-    kwargs.setdefault("json_serializer", _json_dumps)
+    pg = u.get_backend_name() == "postgresql"
+    kwargs.setdefault("json_serializer", _pg_json_dumps if pg else _json_dumps)
     kwargs.setdefault("json_deserializer", orjson.loads)
     if u.get_backend_name() == "sqlite":
         return _sqlite_engine(url, readonly, busy_timeout_ms, statement_timeout_s, kwargs)

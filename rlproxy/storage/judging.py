@@ -27,6 +27,7 @@ from typing import Any
 
 from sqlalchemy import case, func, select, update
 
+from rlproxy.storage.db import pg_text
 from rlproxy.storage.models import Completion, Run, RunStatus
 from rlproxy.storage.training import _aware, _status_is, _write
 
@@ -172,12 +173,16 @@ async def store_scores(
         ).all()
         if not replace_app:  # never another run's app reward (module doc: tenancy)
             rows = [row for row in rows if row.reward_source == "judge"]
+        pg = conn.dialect.name == "postgresql"
         for row in rows:
             score, explanation = scores[row.id]
             values: dict[str, Any] = {
                 "reward": float(score),
                 "reward_source": "judge",
-                "judge_explanation": explanation,
+                # a model's text: U+0000 is U+FFFD on PostgreSQL, as in completions (db._pg_json_dumps)
+                "judge_explanation": pg_text(explanation)
+                if pg and isinstance(explanation, str)
+                else explanation,
             }
             if row.reward is not None and row.reward_source != "judge":
                 values["metrics"] = {**(row.metrics or {}), "app_reward": float(row.reward)}

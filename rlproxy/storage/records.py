@@ -112,7 +112,7 @@ def as_count(value: Any) -> int | None:
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    elif isinstance(value, str) and value.strip().isdigit():
+    elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         value = int(value.strip())
     return value if isinstance(value, int) and -_INT64 <= value < _INT64 else None
 

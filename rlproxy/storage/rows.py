@@ -18,6 +18,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from rlproxy.storage.db import pg_text
 from rlproxy.storage.errors import RewardConflict, RubricConflict, RunNotFound, SplitConflict
 from rlproxy.storage.models import Completion, Run, RunStatus
 from rlproxy.storage.records import COMPLETION_FIELDS, CompletionRecord, default_group
@@ -125,7 +126,11 @@ async def insert_completions(
         return len(rows)
     rows = []
     for rec, seq in zip(records, seqs, strict=True):
-        row = {f: getattr(rec, f) for f in COMPLETION_FIELDS}
+        # text columns too: an upstream's error body or finish reason may hold U+0000 (db._pg_json_dumps)
+        row = {}
+        for f in COMPLETION_FIELDS:
+            value = getattr(rec, f)
+            row[f] = pg_text(value) if type(value) is str else value
         row["created_at"] = rec.created_at or now
         row["seq"] = seq
         rows.append(row)

@@ -130,7 +130,7 @@ IDLE_AGAIN_MAX_S = 3600.0
 class _Item:
     """A queued completion: the record, its serialized size, its journal segment."""
 
-    __slots__ = ("rec", "run_id", "size", "seg", "replayed", "sanitized", "payload", "key")
+    __slots__ = ("rec", "run_id", "response_id", "size", "seg", "replayed", "sanitized", "payload", "key")
 
     def __init__(
         self, rec: CompletionRecord, size: int, seg: Segment | None, replayed: bool, payload: bytes = b""
@@ -139,6 +139,7 @@ class _Item:
         # nested dicts and token lists die with the request, not in a burst when the batch settles.
         self.rec: CompletionRecord | None = rec
         self.run_id = rec.run_id
+        self.response_id = rec.response_id
         self.size = size
         self.seg = seg
         self.replayed = replayed  # from the journal: may be committed already (checked by capture_id)
@@ -274,6 +275,9 @@ class Writer:
         self._closed = False
         self._close_deadline: float | None = None
         self._pending = 0
+        # Responses ids of queued records (id -> how many): `may_hold` says whether a read that missed
+        # the store should flush the queue and look again
+        self._responses: dict[str, int] = {}
         self.rows_written = 0  # completions committed
         self.commits = 0  # transactions committed
         self.rewards_written = 0
@@ -422,7 +426,14 @@ class Writer:
                 log.error("journal: append failed (%s); completion of run %s not journaled", exc, rec.run_id)
         self._enqueue(_Item(rec, len(payload), seg, False, payload))
 
+    def may_hold(self, response_id: str) -> bool:
+        """Whether a record with this Responses id is queued and not yet committed (or given up on):
+        only then can a flush make a lookup that missed the store find it."""
+        return response_id in self._responses
+
     def _enqueue(self, item: _Item) -> None:
+        if item.response_id is not None:
+            self._responses[item.response_id] = self._responses.get(item.response_id, 0) + 1
         if self._pending == 0:
             self._progress_at = time.monotonic()
         self._pending += 1
@@ -970,6 +981,10 @@ class Writer:
 
     def _resolved(self, item: _Item) -> None:
         self._bytes -= item.size
+        if item.response_id is not None:
+            left = self._responses.pop(item.response_id, 1) - 1
+            if left > 0:
+                self._responses[item.response_id] = left
         if item.seg is not None and self.journal is not None:
             self.journal.resolve(item.seg)
 

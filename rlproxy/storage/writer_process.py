@@ -64,7 +64,11 @@ class _Child(Writer):
             op.key = key
             self._enqueue(op)
         elif kind == "R":
-            op = _Reward(*msg[2:6], asyncio.get_running_loop().create_future(), msg[6], msg[7])
+            # the outcome travels back to the proxy in the settle message; nothing here awaits the
+            # future, so its exception (a 404, a 409) is retrieved at once, never logged by asyncio
+            future = asyncio.get_running_loop().create_future()
+            future.add_done_callback(_retrieved)
+            op = _Reward(*msg[2:6], future, msg[6], msg[7])
             op.key, op.deadline = key, msg[8]
             self._rewards[key] = op
             self._put_soon(op)
@@ -97,7 +101,7 @@ class _Child(Writer):
             self._pending -= 1
             self._rewards.pop(op.key, None)
             if isinstance(op, _Item):
-                self._bytes -= op.size
+                self._resolved(op)
         self._check_room()
 
     def _stopped(self) -> None:
@@ -112,6 +116,11 @@ class _Child(Writer):
             if now != self._sent:
                 self._sent = now
                 self.link.send(("stats", now))
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _idle_priority() -> None:

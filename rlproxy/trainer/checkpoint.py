@@ -49,8 +49,12 @@ class Checkpoint:
 
 
 def policy_dir(root: str | Path, policy: str) -> Path:
-    """Folder of a policy's checkpoints; the name is made file-system safe (`org/model` -> `org_model`)."""
-    return Path(root) / re.sub(r"[^A-Za-z0-9._-]", "_", policy)
+    """Folder of a policy's checkpoints; the name is made file-system safe (`org/model` -> `org_model`).
+    TrainerError for a name that would be no folder of its own under `root` (`.`, `..`, empty)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", policy)
+    if name in ("", ".", ".."):
+        raise TrainerError(f"policy name {policy!r} names no folder under the checkpoint folder")
+    return Path(root) / name
 
 
 def step_dir(root: str | Path, policy: str, step: int) -> Path:

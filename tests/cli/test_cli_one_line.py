@@ -112,3 +112,39 @@ def test_sft_takes_the_base_model_from_the_checkpoint(tmp_path, monkeypatch, tin
     assert seen == [str(tiny_model_dir)]
     out = runner.invoke(main.app, [*argv, "--model", "tiny"])  # an explicit --model wins
     assert out.exit_code == 0 and seen[-1] == "tiny"
+
+
+@pytest.mark.parametrize("into", ["..", "."])
+def test_sft_into_a_name_outside_the_checkpoint_folder_is_refused(tmp_path, monkeypatch, into: str):
+    """Issue 55: `sft --into ..` wrote its step beside the checkpoint folder (`ck/../step-0001`)."""
+    from rlproxy.cli import processes
+    from rlproxy.errors import TrainerError
+    from rlproxy.trainer.checkpoint import policy_dir
+
+    db = sample_db(tmp_path / "s.db")
+    ran: list[Any] = []
+
+    async def fake_sft(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        ran.append(kwargs)
+        return {
+            "step": 1,
+            "loss/total": 1.0,
+            "sft/token_accuracy": 0.5,
+            "sft/examples": 1,
+            "adapter_path": "x",
+        }
+
+    monkeypatch.setattr(processes, "run_sft", fake_sft)
+    chats = tmp_path / "c.jsonl"
+    chats.write_text("{}\n")
+    base = ["--file", str(chats), "--db", str(db), "--checkpoint-dir", str(tmp_path / "ck")]
+    out = runner.invoke(main.app, ["sft", "--policy", "p", "--into", into, *base])
+    assert out.exit_code == 2 and "no policy name" in _one_error_line(out)
+    out = runner.invoke(main.app, ["sft", "--policy", into, "--publish", *base])
+    assert out.exit_code == 2 and "no policy name" in _one_error_line(out)
+    out = runner.invoke(main.app, ["fork", "p@1", into, "--db", str(db), "--checkpoint-dir", str(tmp_path)])
+    assert out.exit_code == 2 and "no policy name" in _one_error_line(out)
+    assert ran == []
+    with pytest.raises(TrainerError):
+        policy_dir(tmp_path / "ck", into)
+    assert policy_dir(tmp_path / "ck", "../x") == tmp_path / "ck" / ".._x"  # one folder, inside

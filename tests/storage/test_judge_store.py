@@ -86,3 +86,18 @@ async def test_a_failed_judgement_is_visible(engine: AsyncEngine) -> None:
     ]
     assert await judge_groups(engine, group_size=2, group_timeout=0.0) == []
     assert await store_scores(engine, {"f1": (1.0, "late")}) == 0  # scores for failed runs change nothing
+
+
+async def test_a_judges_explanation_holding_nul_is_stored(engine: AsyncEngine) -> None:
+    """Issue 55: the judge is a model too; U+0000 in its explanation failed the transaction on
+    PostgreSQL (text cannot hold it), so the group's scores were never stored."""
+    w = Writer(engine, flush_interval=0.01)
+    await w.start()
+    w.submit(rec("n1", 0, default_group="g"))
+    assert await w.reward("n1", None) is True
+    await w.close()
+    assert await store_scores(engine, {"n1": (1.0, "good\x00answer")}) == 1
+    ((reward, explanation),) = await rows(
+        engine, "SELECT reward, judge_explanation FROM runs WHERE id = 'n1'"
+    )
+    assert reward == 1.0 and explanation in ("good\x00answer", "good\ufffdanswer")
