@@ -25,10 +25,11 @@ import functools
 import logging
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, HTTPException, Request
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.responses import Response
@@ -264,7 +265,9 @@ def _decode(path: str, rows: list[list[int]]) -> list[list[str]]:
 
 
 @router.get("/v1/admin/completions/{completion_id}/tokens")
-async def completion_tokens(request: Request, completion_id: int) -> Response:
+async def completion_tokens(
+    request: Request, completion_id: Annotated[int, PathParam(ge=1, le=2**63 - 1)]
+) -> Response:
     """One call's sampled token ids and logprobs per choice, their text pieces when the served model's
     tokenizer is at hand (`pieces`, else null: the read-only dashboard has no model), and the reward
     and group of its run (advantages are not stored: see storage/overview.py completion_tokens)."""

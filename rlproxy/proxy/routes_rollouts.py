@@ -53,7 +53,7 @@ async def rollouts(request: Request, id: OptInt64 = None, limit: Int64 = 20) -> 
 
 
 @router.get("/v1/training/shadow_checks")
-async def shadow_checks(request: Request, policy: str | None = None, limit: int = 50) -> Response:
+async def shadow_checks(request: Request, policy: str | None = None, limit: Int64 = 50) -> Response:
     """The newest `limit` shadow checks (of `policy`), newest first, each with its pairs' scores."""
     if not 1 <= limit <= 1000:
         raise APIError(422, "limit: must be between 1 and 1000", param="limit", code="invalid_value")
