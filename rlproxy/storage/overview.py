@@ -282,7 +282,7 @@ def parse_arm(value: str | None) -> tuple[str, int] | None:
     if not value:
         return None
     policy, _, step = value.rpartition("@")
-    if not policy or not step.isdigit():
+    if not policy or not (step.isascii() and step.isdigit() and len(step) < 19):  # a step fits 64 bits
         raise ValueError(f"{value!r}: expected policy@step, e.g. tiny@3")
     return policy, int(step)
 
