@@ -250,6 +250,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
         services=tuple(services),
         hosted_specs=hosted_specs,
     )
+    metrics.registry.register(state.keys)  # requests, tokens and refusals per app key
     if rollout is not None:
         rollout.state = state
 
@@ -265,7 +266,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     api.include_router(routes_rollouts.router)  # GET /rollouts (canary panel) and its data (issue 28)
     api.include_router(routes_openai.passthrough)  # any other /v1/* path, relayed untouched
 
-    principals = Principals(settings.api_key, settings.admin_key)
+    principals = Principals(settings.api_key, settings.admin_key, keys=state.keys)
     if principals.open and not is_loopback(settings.host):
         logger.warning(
             "listening on %s without RLPROXY_API_KEY or RLPROXY_ADMIN_KEY: whoever reaches it can "

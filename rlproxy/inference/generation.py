@@ -44,13 +44,20 @@ class Generation:
     """Prompts × n rows submitted as one unit; choice index = prompt_index * n + row index."""
 
     def __init__(
-        self, engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int, adapter: str | None
+        self,
+        engine: Engine,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        adapter: str | None,
+        salt: str | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
         self.params = params
         self.n = n
         self.adapter = adapter
+        self.salt = salt  # the prefix cache's isolation key (`cache_salt`)
         self.ids = [f"gen-{uuid.uuid4().hex}" for _ in prompts]
         self.choices = [Choice() for _ in range(len(prompts) * n)]
         self._queue: asyncio.Queue[tuple[int, RowDelta]] = asyncio.Queue()
@@ -67,7 +74,9 @@ class Generation:
                 except RuntimeError:  # the loop is gone (shutdown): nobody is listening
                     pass
 
-            self.engine.submit(GenRequest(rid, prompt, self.params, sink, n=self.n, adapter=self.adapter))
+            self.engine.submit(
+                GenRequest(rid, prompt, self.params, sink, n=self.n, adapter=self.adapter, salt=self.salt)
+            )
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -26,6 +26,7 @@ for a run waiting for the judge 409, the judge off (`RLPROXY_JUDGE=off`, no poli
 
 from __future__ import annotations
 
+import hmac
 import math
 import time
 
@@ -34,7 +35,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rlproxy.errors import APIError
-from rlproxy.proxy import runkey, validate
+from rlproxy.proxy import keys, runkey, validate
 from rlproxy.storage import queries
 from rlproxy.storage.errors import StoreUnavailable
 from rlproxy.storage.training import singleton_notice
@@ -149,7 +150,10 @@ async def post_reward(px, scope, receive, run_id: str, named: str | None, action
     for k, v in scope["headers"]:
         if k == b"content-length":
             declared = v
-    return await _reward(px, receive, declared, run_id, judge=_ACTIONS[action])
+    key = keys.of(scope)  # an app's key: its runs only (another app's run is not found, 404)
+    return await _reward(
+        px, receive, declared, keys.scoped(key, run_id), judge=_ACTIONS[action], shown=run_id
+    )
 
 
 def _same_run(run_id: str, named: str, action: str) -> str:
@@ -166,7 +170,11 @@ def _same_run(run_id: str, named: str, action: str) -> str:
     return run_id
 
 
-async def _reward(px, receive, declared: bytes | None, run_id: str, judge: bool = False) -> Response:
+async def _reward(
+    px, receive, declared: bytes | None, run_id: str, judge: bool = False, shown: str | None = None
+) -> Response:
+    """Store a reward (or judge request) for stored run `run_id`; `shown`: the id the app used."""
+    shown = run_id if shown is None else shown
     raw = await validate.read_body(receive, declared, px.settings.max_body_bytes)
     # orjson rejects NaN/Infinity literals as invalid JSON; accept them so they get the 422 they deserve
     body = (
@@ -213,8 +221,8 @@ async def _reward(px, receive, declared: bytes | None, run_id: str, judge: bool 
         )
         px.runs.close(run_id)  # no more turns into this reward (proxy/runstate.py)
     if reward is None:
-        return _json({"run_id": run_id, "reward": None, "judge": True, "stored": stored})
-    return _json({"run_id": run_id, "reward": reward, "stored": stored})
+        return _json({"run_id": shown, "reward": None, "judge": True, "stored": stored})
+    return _json({"run_id": shown, "reward": reward, "stored": stored})
 
 
 @router.get("/v1/runs")
@@ -251,15 +259,36 @@ async def run_stats(request: Request) -> Response:
 async def get_run(request: Request, run_id: str) -> Response:
     """One run with its completions in order and its messages; a 404 only once the writer has
     committed what it holds (a run whose first call was just answered may still be queued)."""
-    runkey.check_id(run_id)
     px = request.app.state.proxy
-    run = await queries.get_run(px.engine, run_id)
+    key = keys.of(request.scope)  # an app's key reads its own runs only: another's is not found
+    if keys.SEP in run_id and key is None and _is_admin(request, px.settings.admin_key):
+        stored = run_id  # an operator reads an app's run by its stored id (`key_...~id`)
+        runkey.check_id(run_id.partition(keys.SEP)[2])
+    else:
+        runkey.check_id(run_id)
+        stored = keys.scoped(key, run_id)
+    run = await queries.get_run(px.engine, stored)
     if run is None and px.writer is not None:  # read your writes: its completions may still be queued
         await px.writer.flush()
-        run = await queries.get_run(px.engine, run_id)
+        run = await queries.get_run(px.engine, stored)
     if run is None:
         raise APIError(404, f"run {run_id!r} not found", code="not_found")
+    if key is not None:
+        run["id"] = run_id
+        run["group_id"] = keys.unscoped(key, run.get("group_id"))
+        for c in run.get("completions") or ():
+            c["run_id"] = run_id
     return _json(run)
+
+
+def _is_admin(request: Request, admin_key: str | None) -> bool:
+    """Whether the request carries the operators' key (the guard checked it is a valid key)."""
+    if not admin_key:
+        return False
+    sent = request.headers.get("authorization") or (
+        "Bearer " + request.headers["x-api-key"] if "x-api-key" in request.headers else ""
+    )
+    return hmac.compare_digest(sent.encode(), f"Bearer {admin_key}".encode())
 
 
 @router.get("/v1/training/steps")

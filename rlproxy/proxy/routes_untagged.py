@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rlproxy.errors import APIError
-from rlproxy.proxy import routes_runs, runkey
+from rlproxy.proxy import keys, routes_runs, runkey
 from rlproxy.storage import untagged
 
 router = APIRouter()
@@ -45,16 +45,27 @@ async def post_reply_reward(request: Request, reply_id: str) -> Response:
     """The reward of one untagged response, named by the `id` it carried (see the module doc)."""
     runkey.check_id(reply_id, "reply id")
     px = request.app.state.proxy
-    found = await untagged.find_reply(px.engine, reply_id)
-    if found is None:  # its completion may still be queued: let the writer commit what it holds
-        await px.writer.flush()
-        found = await untagged.find_reply(px.engine, reply_id)
+    key = keys.of(request.scope)  # an app's key rewards its own replies only (proxy/keys.py)
+    key_id = key.id if key is not None else None
+    run_name = keys.scoped(key, reply_id, "reply id")  # the run it becomes, in the key's namespace
+    # what the writer holds first: the reply may still be queued, and so may a later reply of the
+    # key that carried the same id (an upstream that repeats its ids): ambiguous, never one picked
+    await px.writer.flush()
+    found = await untagged.find_reply(px.engine, reply_id, key_id, run_name)
     if found is None:
         raise APIError(
             404,
             f"no response with id {reply_id!r} is stored (a reply's `id`, e.g. chatcmpl-...)",
             param="reply_id",
             code="reply_not_found",
+        )
+    if found.get("ambiguous"):
+        raise APIError(
+            409,
+            f"several of your replies carried the id {reply_id!r} (the upstream repeats its ids): "
+            "it names no one reply; send an X-Run-Id with each request and reward the run instead",
+            param="reply_id",
+            code="reply_ambiguous",
         )
     if found.get("tagged"):
         raise APIError(
@@ -65,13 +76,15 @@ async def post_reply_reward(request: Request, reply_id: str) -> Response:
         )
     if found["run_id"] is None:
         request_body = found.get("request") if isinstance(found.get("request"), dict) else {}
+        group = runkey.default_group(found.get("policy"), request_body)
         adopted = await untagged.adopt(
             px.engine,
             found["id"],
-            reply_id,
+            run_name,
             policy=found.get("policy"),
-            group_id=runkey.default_group(found.get("policy"), request_body),
+            group_id=keys.scoped(key, group, "group id"),
             created_at=found.get("created_at"),
+            key_id=key_id,
         )
         if not adopted:
             raise APIError(
@@ -81,4 +94,6 @@ async def post_reply_reward(request: Request, reply_id: str) -> Response:
                 code="reply_in_run",
             )
     declared = request.headers.get("content-length")
-    return await routes_runs._reward(px, request.receive, declared.encode() if declared else None, reply_id)
+    return await routes_runs._reward(
+        px, request.receive, declared.encode() if declared else None, run_name, shown=reply_id
+    )
