@@ -36,6 +36,7 @@ from rlproxy.inference.vllm import VLLMBackend
 from rlproxy.proxy import (
     dashboard,
     errors,
+    routes_keys,
     routes_models,
     routes_openai,
     routes_rollouts,
@@ -261,6 +262,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     #   (routes_runs.reward_route: POST .../reward and .../complete).
     api.include_router(routes_runs.router)  # runs, training steps, /healthz, /metrics
     api.include_router(routes_untagged.router)  # untagged requests: listed, rewarded by reply id
+    api.include_router(routes_keys.router)  # GET /v1/admin/keys: the apps' keys and their use
     api.include_router(routes_models.router)  # GET /v1/models by name, never the server's paths
     api.include_router(dashboard.router)  # GET / and its scripts
     api.include_router(routes_rollouts.router)  # GET /rollouts (canary panel) and its data (issue 28)

@@ -243,6 +243,16 @@ class KeyRing:
             use.spent.append((time.monotonic(), tokens))
             use.spent_sum += tokens
 
+    def usage(self, key_id: str) -> dict:
+        """This replica's counts of key `key_id` (`GET /v1/admin/keys`)."""
+        use = self._use.get(key_id) or _Use("")
+        return {
+            "requests": use.requests,
+            "tokens": use.tokens,
+            "streams": use.streams,
+            "refused": use.refused,
+        }
+
     def collect(self):
         """Prometheus: requests, tokens, streams in flight and refusals per key name."""
         requests = CounterMetricFamily("rlproxy_key_requests", "requests admitted per key", labels=["key"])

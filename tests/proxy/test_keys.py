@@ -127,6 +127,11 @@ def test_a_key_uses_only_its_policies(two):
     assert 'rlproxy_key_refusals_total{key="shop-agent",reason="model"} 2.0' in metrics
     assert 'rlproxy_key_requests_total{key="bank-agent"} 1.0' in metrics
     assert 'rlproxy_key_tokens_total{key="bank-agent"}' in metrics
+    listed = httpx.get(f"{proxy.url}/v1/admin/keys", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    by = {k["name"]: k for k in listed["data"]}
+    assert by["shop-agent"]["policies"] == ["shop"] and by["shop-agent"]["usage"]["refused"] == {"model": 2}
+    assert by["bank-agent"]["usage"]["requests"] == 1 and "secret_hash" not in by["bank-agent"]
+    assert httpx.get(f"{proxy.url}/v1/admin/keys", headers=a).status_code == 403
 
 
 def test_reply_ids_are_per_key_and_a_repeated_one_is_409(two):
