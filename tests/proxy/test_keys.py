@@ -123,6 +123,10 @@ def test_a_key_uses_only_its_policies(two):
     assert err["code"] == "model_not_found" and err["param"] == "model" and "bank" not in err["message"][12:]
     assert _chat(proxy, a, model="bank@0").status_code == 404  # a pinned step of it too
     assert _chat(proxy, b, model="bank-model").status_code == 200
+    # /v1/models lists only what the key may use (the stub serves `stub-model`: not A's)
+    assert httpx.get(f"{proxy.url}/v1/models", headers=a).json()["data"] == []
+    shared = httpx.get(f"{proxy.url}/v1/models", headers={"Authorization": f"Bearer {AGENT}"}).json()
+    assert [m["id"] for m in shared["data"]] == ["stub-model"]
     metrics = httpx.get(f"{proxy.url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
     assert 'rlproxy_key_refusals_total{key="shop-agent",reason="model"} 2.0' in metrics
     assert 'rlproxy_key_requests_total{key="bank-agent"} 1.0' in metrics
