@@ -22,7 +22,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from rlproxy.errors import APIError
+from rlproxy.errors import APIError, RLProxyError
 from rlproxy.proxy import keys, routes_runs, runkey
 from rlproxy.storage import untagged
 
@@ -94,6 +94,10 @@ async def post_reply_reward(request: Request, reply_id: str) -> Response:
                 code="reply_in_run",
             )
     declared = request.headers.get("content-length")
-    return await routes_runs._reward(
-        px, request.receive, declared.encode() if declared else None, run_name, shown=reply_id
-    )
+    try:
+        return await routes_runs._reward(
+            px, request.receive, declared.encode() if declared else None, run_name, shown=reply_id
+        )
+    except RLProxyError as exc:
+        keys.unscope_error(exc, key)  # the app's reply id as it knows it
+        raise

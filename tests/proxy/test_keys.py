@@ -149,6 +149,8 @@ def test_reply_ids_are_per_key_and_a_repeated_one_is_409(two):
     assert proxy.query("SELECT run_id, key_id FROM completions WHERE run_id IS NOT NULL") == [
         (f"{key_a}~cmpl-stub", key_a)
     ]
+    conflict = httpx.post(f"{proxy.url}/v1/completions/cmpl-stub/reward", json={"reward": 0.0}, headers=a)
+    assert conflict.status_code == 409 and key_a not in conflict.text, conflict.text  # A's id, as A wrote it
     # B reads no run of that name (A's reply run is A's)
     _not_found(httpx.get(f"{proxy.url}/v1/runs/cmpl-stub", headers=b), "run 'cmpl-stub' not found")
     # B made two untagged calls with that id: ambiguous, 409, never one of them picked
