@@ -196,6 +196,25 @@ class KeyRing:
         use = self._of(key)
         use.refused[reason] = use.refused.get(reason, 0) + 1
 
+    def enter(
+        self, key: AppKey, policy: str, model: object, upstream_body: dict | None, stream: bool
+    ) -> None:
+        """A completion request of `key` for `policy` (its `model` as sent): 404 `model_not_found`
+        for a policy the key may not use (the answer of a model that does not exist: no oracle of
+        the others'); its prefix-cache salt set in `upstream_body` (None: a hosted upstream, sent as
+        written), so no prompt of another key is a hit, in time or in `cached_tokens`; then `admit`."""
+        if not key.may_use(policy):
+            self.refuse(key, "model")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        if upstream_body is not None:
+            upstream_body["cache_salt"] = key.id  # vLLM's field (>= 0.9); the embedded engine's too
+        self.admit(key, stream)
+
     def admit(self, key: AppKey, stream: bool) -> None:
         """Count one request of `key`; APIError 429 (with `retry_after`) when it is over a limit."""
         use = self._of(key)

@@ -27,6 +27,12 @@ A client that hangs up cancels its upstream call, streaming (`proxy/stream.py`) 
 (`_unless_gone`): the protocol says the connection is lost (`server.hangup_calls`), the call is
 cancelled, which closes its pooled connection, so the engine drops the request at once; the
 completion is stored `cancelled` (499).
+
+An app's key (proxy/keys.py) scopes what a request names: its run and group ids live in the key's
+namespace, its policies, prefix cache and limits are its own (`KeyRing.enter`).
+
+(Over 400 lines: one request of the hot path, from its bytes to its answer and its record, reads
+top to bottom here; the translations, the stream relay and the keys are in their own files.)
 """
 
 from __future__ import annotations
@@ -153,14 +159,6 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     if px.writer.full:  # the store is behind: wait at its pace (bounded, then 503 + Retry-After)
         await px.writer.room(px.settings.store_wait_timeout)
     policy, step, upstream_model = px.policies.resolve(body.get("model"), run_id)
-    if key is not None and not key.may_use(policy):  # as if it did not exist: no oracle of the others
-        px.keys.refuse(key, "model")
-        raise APIError(
-            404,
-            f"The model `{body.get('model')}` does not exist or you do not have access to it.",
-            param="model",
-            code="model_not_found",
-        )
     text_only = px.hosted.get(policy) if px.hosted else None  # a hosted provider's (proxy/hosted.py)
 
     upstream_body = dict(body)
@@ -169,13 +167,11 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         inj = capture.Injected()
     else:
         inj = capture.inject(upstream_body, Endpoint.CHAT if call is not None else endpoint)
-        if key is not None:  # the prefix cache is per app: no hit, no cached_tokens across keys
-            upstream_body["cache_salt"] = key.id
-        elif px.keys.any:  # apps have keys: a client never picks another's salt
-            upstream_body.pop("cache_salt", None)
     stream = upstream_body.get("stream") is True
-    if key is not None:
-        px.keys.admit(key, stream)  # 429 + Retry-After over the key's rpm, tpm or streams
+    if key is not None:  # its policies only (else 404), its own prefix cache, its limits (else 429)
+        px.keys.enter(key, policy, body.get("model"), upstream_body if text_only is None else None, stream)
+    elif px.keys.any and text_only is None:  # apps have keys: a client never picks another's salt
+        upstream_body.pop("cache_salt", None)
     rec = CompletionRecord(
         run_id=run_id,
         group_id=group_id,
