@@ -65,6 +65,9 @@ def test_pinned_runs_of_one_key_no_longer_promote_the_candidate(make_proxy, stub
 
 
 def test_policy_step_is_disclosed_only_when_the_operator_says(make_proxy, stub):
+    from rlproxy.settings import Settings
+
+    assert Settings.model_fields["disclose_policy_step"].default is False  # (the suite turns it on)
     body = {"model": "stub-model", "messages": MSG}
     hidden = make_proxy(stub.url, disclose_policy_step=False)
     assert "x-policy-step" not in httpx.post(f"{hidden.url}/v1/chat/completions", json=body).headers
