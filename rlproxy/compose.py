@@ -39,6 +39,7 @@ from rlproxy.inference.vllm import VLLMBackend
 from rlproxy.proxy import (
     dashboard,
     errors,
+    routes_keys,
     routes_models,
     routes_openai,
     routes_rollouts,
@@ -321,6 +322,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
         services=tuple(services),
         hosted_specs=hosted_specs,
     )
+    metrics.registry.register(state.keys)  # requests, tokens and refusals per app key
     if rollout is not None:
         rollout.state = state
 
@@ -331,12 +333,13 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     #   (routes_runs.reward_route: POST .../reward and .../complete).
     api.include_router(routes_runs.router)  # runs, training steps, /healthz, /metrics
     api.include_router(routes_untagged.router)  # untagged requests: listed, rewarded by reply id
+    api.include_router(routes_keys.router)  # GET /v1/admin/keys: the apps' keys and their use
     api.include_router(routes_models.router)  # GET /v1/models by name, never the server's paths
     api.include_router(dashboard.router)  # GET / and its scripts
     api.include_router(routes_rollouts.router)  # GET /rollouts (canary panel) and its data (issue 28)
     api.include_router(routes_openai.passthrough)  # any other /v1/* path, relayed untouched
 
-    principals = Principals(settings.api_key, settings.admin_key)
+    principals = Principals(settings.api_key, settings.admin_key, keys=state.keys)
     if principals.open and not is_loopback(settings.host):
         logger.warning(
             "listening on %s without RLPROXY_API_KEY or RLPROXY_ADMIN_KEY: whoever reaches it can "

@@ -78,6 +78,11 @@ class SecuritySettings(BaseModel):
     cors_origins: str = Field(
         "", description="comma list of browser origins (`https://app.example:8080`, `*`) allowed cross-origin"
     )
+    disclose_policy_step: bool = Field(
+        False,
+        description="send agents the `X-Policy-Step` header (the step that served them); off: only the "
+        "operator sees steps, and no app can tell a canary's arms apart",
+    )
 
 
 class LimitsSettings(BaseModel):
@@ -580,6 +585,13 @@ class RolloutSettings(BaseModel):
     )
     canary_inconclusive: Literal["rollback", "promote"] = Field(
         "rollback", description="what the last look decides when neither test is significant"
+    )
+    canary_max_key_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="most of an arm's runs one app key may make (0-1; 1 = no cap): its runs beyond that "
+        "share are left out of the arm (docs/rollout.md)",
     )
 
     @field_validator("rollout")

@@ -16,6 +16,10 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The step that served an answer (`X-Policy-Step`) is the operator's by default (issue 55); the
+# tests read it to see which step answered, so every proxy of the suite discloses it unless a test
+# says otherwise (tests/proxy/test_keys_canary.py checks the default).
+os.environ.setdefault("RLPROXY_DISCLOSE_POLICY_STEP", "1")
 
 
 @pytest.fixture(scope="session")

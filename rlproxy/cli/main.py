@@ -642,4 +642,5 @@ def models_make_tiny(
     typer.echo(str(make_tiny(out_dir)))
 
 
+from rlproxy.cli import keys as _keys  # noqa: E402, F401  (registers `rlproxy keys`; issue 55)
 from rlproxy.cli import rollout as _rollout  # noqa: E402, F401  (registers `rlproxy rollout`; issue 28)

@@ -77,6 +77,7 @@ class GenRequest:
     n: int = 1
     adapter: str | None = None  # adapter name, None = base model
     priority: int = 0  # admitted lowest first, FIFO within a priority (app 0, siblings 10)
+    salt: str | None = None  # `cache_salt`: prefix-cache entries are shared only under the same salt
 
 
 @dataclass
@@ -309,8 +310,10 @@ class Engine:
         if not new_rows:
             return
         # identical (adapter, prompt) pairs are prefilled once: `unique[u]` feeds rows `source == u`
-        unique: dict[tuple[str, tuple[int, ...]], int] = {}
-        source = [unique.setdefault((r.slot, tuple(r.req.prompt_ids)), len(unique)) for r in new_rows]
+        unique: dict[tuple[str, str | None, tuple[int, ...]], int] = {}
+        source = [
+            unique.setdefault((r.slot, r.req.salt, tuple(r.req.prompt_ids)), len(unique)) for r in new_rows
+        ]
         firsts = [new_rows[source.index(u)] for u in range(len(unique))]
         t0 = time.perf_counter()
         try:
@@ -324,7 +327,8 @@ class Engine:
         self.stats["prompt_tokens"] += sum(len(r.req.prompt_ids) for r in new_rows)
         if self.prefix_cache.enabled:
             for u, row in enumerate(firsts):
-                self.prefix_cache.put(row.slot, row.req.prompt_ids, *kvbatch.row_kv(cache, mask, u))
+                kv = kvbatch.row_kv(cache, mask, u)
+                self.prefix_cache.put(row.slot, row.req.prompt_ids, *kv, salt=row.req.salt)
         if len(firsts) != len(new_rows):
             index = torch.tensor(source)
             cache, mask = kvbatch.expand(cache, mask, index)
@@ -335,7 +339,7 @@ class Engine:
 
     def _prefill(self, rows: list[_Row]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """Run `rows`' prompts through the model after their cached prefixes: (cache, mask, logits)."""
-        found = [self.prefix_cache.lookup(r.slot, r.req.prompt_ids) for r in rows]
+        found = [self.prefix_cache.lookup(r.slot, r.req.prompt_ids, r.req.salt) for r in rows]
         cache, past_mask = kvbatch.past_cache(found)  # (U, H, K, D), (U, K)
         suffixes = [r.req.prompt_ids[c:] for r, (_, c) in zip(rows, found, strict=True)]
         length = max(len(s) for s in suffixes)
@@ -429,7 +433,7 @@ class Engine:
         tokens = row.req.prompt_ids + row.out_ids[:-1]
         keys, values = kvbatch.row_kv(self._cache, self._mask, b)
         if keys and keys[0].shape[1] == len(tokens):
-            self.prefix_cache.put(row.slot, tokens, keys, values)
+            self.prefix_cache.put(row.slot, tokens, keys, values, salt=row.req.salt)
 
     def _splice(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
         """Append prefilled rows to the running batch, left-padding whichever side is shorter."""

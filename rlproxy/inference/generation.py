@@ -51,6 +51,7 @@ class Generation:
         n: int,
         adapter: str | None,
         priority: int = 0,
+        salt: str | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
@@ -58,6 +59,7 @@ class Generation:
         self.n = n
         self.adapter = adapter
         self.priority = priority
+        self.salt = salt  # the prefix cache's isolation key (`cache_salt`)
         self.ids = [f"gen-{uuid.uuid4().hex}" for _ in prompts]
         self.choices = [Choice() for _ in range(len(prompts) * n)]
         self._queue: asyncio.Queue[tuple[int, RowDelta]] = asyncio.Queue()
@@ -74,8 +76,18 @@ class Generation:
                 except RuntimeError:  # the loop is gone (shutdown): nobody is listening
                     pass
 
-            req = GenRequest(rid, prompt, self.params, sink, self.n, self.adapter, self.priority)
-            self.engine.submit(req)
+            self.engine.submit(
+                GenRequest(
+                    rid,
+                    prompt,
+                    self.params,
+                    sink,
+                    n=self.n,
+                    adapter=self.adapter,
+                    priority=self.priority,
+                    salt=self.salt,
+                )
+            )
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -9,7 +9,10 @@ siblings of a group that diverge after their shared first prompt still share tha
 
 Entries are keyed by adapter *slot* as well: the KV computed under adapter A never serves adapter B
 or the base model, and a slot retired by an in-place reload or an unload takes its entries with it
-(`retain`). At least the prompt's last token is always prefilled (its logits pick the first token).
+(`retain`). And by *salt* (a request's `cache_salt`, vLLM's field; the proxy sends an app key's id):
+a prompt under one salt never reuses KV stored under another, so one app's prompts are never hits
+for another, neither in time to first token nor in `cached_tokens` (issue 55). At least the
+prompt's last token is always prefilled (its logits pick the first token).
 
 Owned by the engine's worker thread (no locks); `stats` is read by the metrics collector from other
 threads (plain ints, replaced whole).
@@ -35,6 +38,7 @@ class Prefix:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     nbytes: int
+    salt: str | None = None
 
 
 class PrefixCache:
@@ -61,9 +65,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, slot: str, prompt: list[int]) -> tuple[Prefix | None, int]:
-        """The entry sharing the longest prefix with `prompt` under `slot` and that length (at most
-        len(prompt) - 1); (None, 0) on a miss. A hit becomes the most recently used entry."""
+    def lookup(self, slot: str, prompt: list[int], salt: str | None = None) -> tuple[Prefix | None, int]:
+        """The entry sharing the longest prefix with `prompt` under `slot` and `salt` and that length
+        (at most len(prompt) - 1); (None, 0) on a miss. A hit becomes the most recently used entry."""
         if not self.enabled:
             return None, 0
         self.stats["lookups"] += 1
@@ -74,7 +78,7 @@ class PrefixCache:
         want = torch.tensor(prompt[:limit], dtype=torch.long)
         best_key, best = None, 0
         for key, entry in self._entries.items():
-            if entry.slot != slot:
+            if entry.slot != slot or entry.salt != salt:
                 continue
             n = min(limit, entry.tokens.numel())
             same = entry.tokens[:n] == want[:n]
@@ -88,7 +92,14 @@ class PrefixCache:
         self.stats["tokens_reused"] += best
         return self._entries[best_key], best
 
-    def put(self, slot: str, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def put(
+        self,
+        slot: str,
+        tokens: list[int],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        salt: str | None = None,
+    ) -> None:
         """Store the KV of `tokens` (per layer `(H, L, D)`, owned by the cache from now on).
 
         An entry that is a prefix of the new one is dropped (the new one serves all it served); a new
@@ -100,7 +111,7 @@ class PrefixCache:
             return
         new = torch.tensor(tokens, dtype=torch.long)
         for key, entry in list(self._entries.items()):
-            if entry.slot != slot:
+            if entry.slot != slot or entry.salt != salt:
                 continue
             n = entry.tokens.numel()
             if n <= new.numel() and torch.equal(entry.tokens, new[:n]):
@@ -109,7 +120,7 @@ class PrefixCache:
                 self._entries.move_to_end(key)
                 return
         self._next += 1
-        self._entries[self._next] = Prefix(slot, new, keys, values, nbytes)
+        self._entries[self._next] = Prefix(slot, new, keys, values, nbytes, salt)
         self.bytes += nbytes
         self.stats["stores"] += 1
         while self.bytes > self.max_bytes and self._entries:

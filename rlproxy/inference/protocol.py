@@ -31,6 +31,9 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
     priority: int = 0  # vLLM's field: lower is admitted first (siblings send 10, app requests 0)
+    # vLLM's prefix-cache isolation (>= 0.9): prompts under different salts never share cached KV;
+    # the proxy sends an app key's id here (proxy/keys.py), so no app's prompts are hits for another
+    cache_salt: str | None = Field(None, max_length=256)
 
     def sampling(
         self, max_tokens: int | None, logprobs: bool, top_logprobs: int, defaults: dict[str, float]

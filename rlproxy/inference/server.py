@@ -441,7 +441,7 @@ def _start(
                 f"{(params.max_tokens or 1)} output tokens and your prompt contains {len(p)} input tokens.",
                 type="BadRequestError",
             )
-    gen = Generation(engine, prompts, params, body.n, adapter, body.priority)
+    gen = Generation(engine, prompts, params, body.n, adapter, body.priority, salt=body.cache_salt)
     meta = {
         "id": f"{id_prefix}-{uuid.uuid4().hex}",
         "created": int(time.time()),

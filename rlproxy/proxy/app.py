@@ -26,6 +26,7 @@ from rlproxy.proxy import errors, hosted, upstreams
 from rlproxy.proxy.forward import Upstream
 from rlproxy.proxy.gate import TrainGate
 from rlproxy.proxy.inflight import InFlight
+from rlproxy.proxy.keys import KeyRing
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies
 from rlproxy.proxy.runstate import RunState
@@ -61,6 +62,7 @@ class ProxyState:
     # policies on hosted, text-only upstreams (proxy/hosted.py): declared by the root, opened here
     hosted_specs: dict = field(default_factory=dict)
     hosted: object = None  # hosted.HostedUpstreams, or None when no policy is hosted
+    keys: KeyRing = field(default_factory=KeyRing)  # the apps' keys (proxy/keys.py), read from the store
 
 
 async def _expire_loop(engine, older_than_s: float) -> None:
@@ -116,6 +118,8 @@ def create_app(state: ProxyState) -> FastAPI:
         # Before serving: store what a killed predecessor's clients received but it never committed.
         await state.writer.recover(timeout=settings.store_unhealthy_after)
         await state.runs.load()  # the runs closed most recently: refused from the first turn on
+        state.keys.engine = state.engine
+        await state.keys.refresh()  # the apps' keys, before the first request (proxy/keys.py)
         tasks: list[asyncio.Task] = []
         upstream = None
         started: list = []
@@ -142,6 +146,7 @@ def create_app(state: ProxyState) -> FastAPI:
                 asyncio.create_task(_expire_loop(state.engine, settings.run_expiry), name="rlproxy-expiry")
             )
             tasks.append(asyncio.create_task(state.runs.poll(), name="rlproxy-run-state"))
+            tasks.append(asyncio.create_task(state.keys.poll(), name="rlproxy-keys"))
             for service in services:
                 await service.start()
                 started.append(service)

@@ -1,7 +1,8 @@
 """Who may call which route: two principals, two keys (see the README's "Security" section).
 
     agent     `RLPROXY_API_KEY`    the OpenAI routes (captured or passed through), rewards,
-                                   reading one run by its id (`GET /v1/runs/{id}`)
+              or an app's key      reading one run by its id (`GET /v1/runs/{id}`); an app's key
+              (`rlproxy keys`)     (proxy/keys.py) only its policies, runs and replies
     operator  `RLPROXY_ADMIN_KEY`  everything an agent may do, plus listing all runs, run stats,
                                    training steps, `/metrics` and the dashboard's data
 
@@ -23,6 +24,7 @@ import hmac
 from enum import IntEnum
 
 from rlproxy.errors import ConfigError
+from rlproxy.proxy.keys import AppKey, KeyRing
 from rlproxy.proxy.rules import ROUTE_RULES, Rules
 
 
@@ -52,7 +54,13 @@ def is_admin_path(path: str) -> bool:
 class Principals:
     """The two keys and the rule of the module doc; `check(path, authorization)` raises `Refusal`."""
 
-    def __init__(self, api_key: str | None, admin_key: str | None, rules: Rules = ROUTE_RULES) -> None:
+    def __init__(
+        self,
+        api_key: str | None,
+        admin_key: str | None,
+        rules: Rules = ROUTE_RULES,
+        keys: KeyRing | None = None,
+    ) -> None:
         if api_key and admin_key and hmac.compare_digest(api_key.encode(), admin_key.encode()):
             raise ConfigError(
                 "RLPROXY_ADMIN_KEY must differ from RLPROXY_API_KEY (else every agent is an operator)"
@@ -61,11 +69,16 @@ class Principals:
         self.admin = b"Bearer " + admin_key.encode() if admin_key else None
         self.public = rules.public
         self.is_admin = rules.is_admin
+        self.keys = keys  # the apps' keys (the `keys` table); a valid one closes the agent routes too
 
     @property
     def open(self) -> bool:
         """No key at all: every route is open (Host and Origin checks still apply)."""
-        return self.agent is None and self.admin is None
+        return self.agent is None and self.admin is None and not self._app_keys
+
+    @property
+    def _app_keys(self) -> bool:
+        return self.keys is not None and self.keys.any
 
     def role(self, authorization: bytes | None) -> Role:
         """The role the `Authorization` header value gives (compared in constant time)."""
@@ -77,14 +90,25 @@ class Principals:
             return Role.AGENT
         return Role.ANONYMOUS
 
-    def check(self, path: str, authorization: bytes | None) -> None:
-        """Return if the request may go on; raise `Refusal` (401 or 403) if not."""
+    def check(self, path: str, authorization: bytes | None) -> AppKey | None:
+        """The app's key when the request may go on with one (None: it goes on without); raise
+        `Refusal` (401 or 403) if it may not go on."""
         if self.open or path in self.public:
-            return
+            return None
         admin_route = self.is_admin(path)
-        if not admin_route and self.agent is None:
-            return  # only the admin key is set: agent routes stay open
+        if not admin_route and self.agent is None and not self._app_keys:
+            return None  # only the admin key is set: agent routes stay open
         role = self.role(authorization)
+        if role is Role.ANONYMOUS and authorization and self.keys is not None:
+            key = self.keys.find(authorization)
+            if key is not None:
+                if admin_route:
+                    raise Refusal(
+                        403,
+                        f"{path} is an operator route: send the admin key, not an app's key.",
+                        "admin_key_required",
+                    )
+                return key
         if role is Role.ANONYMOUS:
             if authorization:
                 raise Refusal(401, "Incorrect API key provided.", "invalid_api_key")
@@ -98,3 +122,4 @@ class Principals:
             else:
                 message = f"{path} is an operator route: send the admin key, not the agents' key."
             raise Refusal(403, message, "admin_key_required")
+        return None

@@ -116,7 +116,11 @@ def render(exc: APIError | RLProxyError, where: str = "a request") -> Response:
     """The response for any exception we raise on purpose: its class says status, type and code.
     A server-side failure is logged (`where`: the request, as "POST /v1/...")."""
     if isinstance(exc, APIError):
-        return Response(orjson.dumps(exc.body()), status_code=exc.status, media_type=_JSON)
+        response = Response(orjson.dumps(exc.body()), status_code=exc.status, media_type=_JSON)
+        retry_after = getattr(exc, "retry_after", None)  # a key over its limits (proxy/keys.py)
+        if retry_after is not None:
+            response.headers["retry-after"] = str(max(1, math.ceil(retry_after)))
+        return response
     if exc.status == 500:
         return internal_error(exc, where)
     message = public_message(exc)

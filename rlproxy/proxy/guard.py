@@ -12,8 +12,9 @@ In this order, from one scan of the request headers (no body read, streams untou
    origin (Origin == http(s)://Host) or from `cors_origins`; without `Origin`,
    `Sec-Fetch-Site: cross-site` is refused. Configured origins get proper CORS answers (preflight
    and response headers) from Starlette's `CORSMiddleware`, which only such requests go through.
-4. Keys (401, 403): `auth.Principals` (agents' and operators' keys), sent as `Authorization:
-   Bearer <key>` or, as Anthropic's SDKs do, `x-api-key: <key>` (used when there is no Authorization).
+4. Keys (401, 403): `auth.Principals` (agents', apps' and operators' keys), sent as `Authorization:
+   Bearer <key>` or, as Anthropic's SDKs do, `x-api-key: <key>` (used when there is no Authorization);
+   an app's key (proxy/keys.py) is left in the scope for the routes.
 5. POST/PUT/PATCH need `Content-Type: application/json` (415 `unsupported_media_type`), so an
    HTML form or a `text/plain` fetch from a web page can never be served.
 
@@ -29,6 +30,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from rlproxy.proxy.auth import Principals, Refusal
 from rlproxy.proxy.errors import error_body, send_json
+from rlproxy.proxy.keys import SCOPE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +166,14 @@ class Guard:
         if authorization is None and api_key is not None:  # Anthropic's SDKs send their key so
             authorization = b"Bearer " + api_key
         try:
-            self.principals.check(scope["path"], authorization)
+            key = self.principals.check(scope["path"], authorization)
         except Refusal as refusal:
             if refusal.status == 401:
                 extra = (*extra, (b"www-authenticate", b"Bearer"))
             await _refuse(send, refusal.status, refusal.message, refusal.code, extra)
             return
+        if key is not None:  # an app's key (proxy/keys.py): the routes scope what it names to it
+            scope[SCOPE_KEY] = key
         if method in _BODY_METHODS and not _is_json(ctype):
             shown = ctype.decode("latin-1") if ctype is not None else "none"
             await _refuse(

@@ -60,14 +60,14 @@ class Call:
         return EventStream(self, model)
 
 
-async def prepare(px, body: dict) -> Call:
+async def prepare(px, body: dict, key=None) -> Call:
     """Translate `body` (400 for what cannot be served, 404 for an unknown `previous_response_id`)."""
     history, run_id = None, None
     prev_id = body.get("previous_response_id")
     if prev_id is not None:
         if not isinstance(prev_id, str):
             raise APIError(400, "previous_response_id: must be a string", param="previous_response_id")
-        prev = await _stored(px, prev_id, peer_grace=True)
+        prev = await _stored(px, prev_id, peer_grace=True, key=key)
         message = ((prev or {}).get("response") or {}).get("choices") or [{}]
         if prev is None or not isinstance(message[0].get("message"), dict):
             raise APIError(
@@ -85,22 +85,31 @@ async def prepare(px, body: dict) -> Call:
     return Call(body=body, chat=chat, run_id=run_id)
 
 
-async def _stored(px, response_id: str, peer_grace: bool = False) -> dict | None:
-    row = _decode(await queries.stored_response(px.engine, response_id))
+async def _stored(px, response_id: str, peer_grace: bool = False, key=None) -> dict | None:
+    """The stored response `response_id` of app key `key` (None: the shared agents' key), or None:
+    another app's response is not found, as an id nobody used (proxy/keys.py)."""
+    row = await _lookup(px, response_id, key)
     if row is None and px.writer.may_hold(response_id):  # queued: the previous turn ended just now
         # (only then: a flush for an id this replica never queued made unknown ids cost a commit)
         try:
             await asyncio.wait_for(px.writer.flush(), px.settings.store_wait_timeout)
         except TimeoutError:
             return None
-        row = _decode(await queries.stored_response(px.engine, response_id))
+        row = await _lookup(px, response_id, key)
     if row is None and peer_grace and px.engine.dialect.name != "sqlite":
         # several replicas on one store: the previous turn may have ended on another replica, whose
         # writer commits it within its flush interval. The same grace as a reward's (writer.py).
         deadline = time.monotonic() + PEER_GRACE_S
         while row is None and time.monotonic() < deadline:
             await asyncio.sleep(PEER_RETRY_S)
-            row = _decode(await queries.stored_response(px.engine, response_id))
+            row = await _lookup(px, response_id, key)
+    return row
+
+
+async def _lookup(px, response_id: str, key) -> dict | None:
+    row = _decode(await queries.stored_response(px.engine, response_id))
+    if row is not None and row.get("key_id") != (key.id if key is not None else None):
+        return None
     return row
 
 
@@ -113,9 +122,10 @@ def _decode(row: dict | None) -> dict | None:
     return row
 
 
-async def retrieve(px, response_id: str) -> Response:
-    """`GET /v1/responses/{response_id}`: the stored Responses object (404 if none, or `store: false`)."""
-    row = await _stored(px, response_id)
+async def retrieve(px, response_id: str, key=None) -> Response:
+    """`GET /v1/responses/{response_id}`: the stored Responses object of app key `key` (404 if none,
+    another app's, or `store: false`)."""
+    row = await _stored(px, response_id, key=key)
     if row is None or not isinstance(row.get("client_response"), dict):
         raise APIError(
             404,

@@ -5,7 +5,8 @@ with `root` (its checkpoint folder) and `parent`: through the proxy those would 
 model folder and the checkpoint layout of the host. This route relays the upstream's list and
 replaces a `root` or `parent` that is a path by the entry's name (an adapter's `parent` by the name
 of the model it belongs to); everything else is the upstream's, and a list without paths is relayed
-byte for byte (issue 22, case 14).
+byte for byte (issue 22, case 14). An app key limited to some policies (proxy/keys.py) sees only
+their entries (`policy`, `policy@step`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from rlproxy.proxy import runkey
+from rlproxy.proxy import keys, runkey
 
 router = APIRouter()
 MAX_LIST_BYTES = 4 * 1024 * 1024  # a models list is a few KB; past this it is relayed unread
@@ -47,6 +48,7 @@ def names_only(body: dict[str, Any]) -> dict[str, Any]:
 
 async def _models(request: Request) -> Response:
     px = request.app.state.proxy
+    key = keys.of(request.scope)
     relayed = await px.upstream.relay(request, "/v1/models", px.drop_headers)
     body = getattr(relayed, "body_iterator", None)
     if relayed.status_code != 200 or body is None:
@@ -62,7 +64,14 @@ async def _models(request: Request) -> Response:
         listed = orjson.loads(raw)
     except orjson.JSONDecodeError:
         listed = None
-    if not isinstance(listed, dict) or size > MAX_LIST_BYTES or not has_paths(listed):
+    limited = key is not None and key.policies is not None and isinstance(listed, dict)
+    if limited:  # only the policies the key may use: another app's are not even named
+        listed["data"] = [
+            e
+            for e in listed.get("data") or []
+            if isinstance(e, dict) and key.may_use(str(e.get("id", "")).partition("@")[0])
+        ]
+    if not isinstance(listed, dict) or size > MAX_LIST_BYTES or not (limited or has_paths(listed)):
         # nothing to hide: the upstream's bytes as they are
         return Response(raw, status_code=relayed.status_code, media_type=relayed.media_type)
     return Response(orjson.dumps(names_only(listed)), media_type="application/json")

@@ -27,6 +27,12 @@ A client that hangs up cancels its upstream call, streaming (`proxy/stream.py`) 
 (`_unless_gone`): the protocol says the connection is lost (`server.hangup_calls`), the call is
 cancelled, which closes its pooled connection, so the engine drops the request at once; the
 completion is stored `cancelled` (499).
+
+An app's key (proxy/keys.py) scopes what a request names: its run and group ids live in the key's
+namespace, its policies, prefix cache and limits are its own (`KeyRing.enter`).
+
+(Over 400 lines: one request of the hot path, from its bytes to its answer and its record, reads
+top to bottom here; the translations, the stream relay and the keys are in their own files.)
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from rlproxy.proxy import (
     errors,
     forward,
     hosted,
+    keys,
     messages,
     responses,
     routes_runs,
@@ -100,6 +107,7 @@ class HotPath:
                 except validate.ClientGone:
                     return
                 except (APIError, RLProxyError) as exc:
+                    keys.unscope_error(exc, scope.get(keys.SCOPE_KEY))  # the app's ids as it wrote them
                     response = errors.render(exc, f"POST {path}")
                 except Exception as exc:  # never let a bug take the connection down without an answer
                     response = errors.internal_error(exc, f"POST {path}")
@@ -112,6 +120,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     """Forward one completion request and capture it (see the module doc)."""
     started = time.perf_counter()
     created_at = datetime.now(UTC)
+    key = scope.get(keys.SCOPE_KEY)  # an app's key (proxy/keys.py); None: the shared agents' key
     run_id = group_id = declared = split = None
     for k, v in scope["headers"]:
         if k == b"x-run-id":
@@ -128,7 +137,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     body = validate.parse_body(raw, px.settings.max_json_depth)
     call = None
     if endpoint == Endpoint.RESPONSES:
-        call = await responses.prepare(px, body)
+        call = await responses.prepare(px, body, key)
         body = call.chat  # from here on the chat form: forwarded, hashed, stored
     elif endpoint == Endpoint.MESSAGES:
         call = messages.prepare(body)
@@ -140,6 +149,9 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         runkey.check_id(group_id, "group id")
     if split is not None:
         runkey.check_split(split)
+    if key is not None:  # the app's ids live in its key's namespace: no other app can name them
+        run_id = keys.scoped(key, run_id) if run_id is not None else None
+        group_id = keys.scoped(key, group_id, "group id") if group_id is not None else None
     # a closed run takes no more turns; a chain inherits its previous response's run (proxy/runstate.py)
     run_id = px.runs.admit(run_id, call.run_id if call is not None else None)
     if not px.gate.is_open:
@@ -156,6 +168,10 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     else:
         inj = capture.inject(upstream_body, Endpoint.CHAT if call is not None else endpoint)
     stream = upstream_body.get("stream") is True
+    if key is not None:  # its policies only (else 404), its own prefix cache, its limits (else 429)
+        px.keys.enter(key, policy, body.get("model"), upstream_body if text_only is None else None, stream)
+    elif px.keys.any and text_only is None:  # apps have keys: a client never picks another's salt
+        upstream_body.pop("cache_salt", None)
     rec = CompletionRecord(
         run_id=run_id,
         group_id=group_id,
@@ -169,6 +185,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         created_at=created_at,
         client_request=call.body if call is not None else None,
         source=hosted.HOSTED if text_only is not None else None,
+        key_id=key.id if key is not None else None,
     )
     if run_id is not None:
         px.inflight.enter(run_id)
@@ -184,12 +201,14 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         if endpoint == Endpoint.MESSAGES and resp.status_code == 400 and text_only is None:
             # the engine's context refusal (a provider's is the answer: hosted policies never fall back)
             resp = await _unclamped(px, resp, rec, upstream_body, headers, stream, run_id)
-        step_header = (b"x-policy-step", str(step).encode())
+        # the serving step is the operator's to see (the dashboard), not an agent's: unless told
+        # (disclose_policy_step), an app cannot tell a canary's arms apart
+        step_header = (b"x-policy-step", str(step).encode()) if px.settings.disclose_policy_step else None
         if stream:
             ctype = resp.header(b"content-type") or b""
             if resp.status_code == 200 and ctype.startswith(b"text/event-stream"):
                 handed_off = True
-                return _relay(px, resp, rec, inj, started, step_header, call, upstream_model)
+                return _relay(px, resp, rec, inj, started, step_header, call, upstream_model, key)
             try:
                 resp.content = resp.content or await resp.read()  # (`_unclamped` may have read it)
             finally:
@@ -198,7 +217,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     except _ClientGone:
         rec.status, rec.status_code, rec.error = "cancelled", 499, "client disconnected"
         rec.latency_ms = (time.perf_counter() - started) * 1000.0
-        px.writer.submit(rec)
+        _submit(px, rec)
         px.metrics.observe(endpoint, "cancelled", rec.latency_ms / 1000.0)
         return Response(status_code=499)  # nobody reads it: the connection is gone
     except RLProxyError as exc:
@@ -206,12 +225,21 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         rec.status_code = exc.status
         rec.error = str(exc)  # the detail (the upstream's URL too) stays in the store and the log
         rec.latency_ms = (time.perf_counter() - started) * 1000.0
-        px.writer.submit(rec)
+        _submit(px, rec)
         px.metrics.observe(endpoint, f"upstream_{rec.status_code}", rec.latency_ms / 1000.0)
         raise
     finally:
         if run_id is not None and not handed_off:
             px.inflight.leave(run_id)
+        if key is not None and stream and not handed_off:
+            px.keys.stream_done(key)
+
+
+def _submit(px, rec: CompletionRecord) -> None:
+    """Hand `rec` to the writer; an app key's tokens count against its tpm from now on."""
+    px.writer.submit(rec)
+    if rec.key_id is not None:
+        px.keys.spent(rec.key_id, (rec.prompt_tokens or 0) + (rec.completion_tokens or 0))
 
 
 class _ClientGone(Exception):
@@ -280,12 +308,14 @@ def _answer(
         rec.error = content.decode("utf-8", "replace")[:4000]
         outcome = f"upstream_{resp.status_code}"
     rec.latency_ms = (time.perf_counter() - started) * 1000.0
-    px.writer.submit(rec)
+    _submit(px, rec)
     px.metrics.observe(rec.endpoint, outcome, rec.latency_ms / 1000.0)
     headers = forward.response_headers(resp.headers)
     if resp.status_code >= 500:  # its body may name paths and hold a traceback: stored and logged only
         content, headers = errors.upstream_failure(resp.status_code, content, headers, rec.run_id)
-    headers += ((b"content-length", str(len(content)).encode()), step_header)
+    headers.append((b"content-length", str(len(content)).encode()))
+    if step_header is not None:
+        headers.append(step_header)
     return _Answer(resp.status_code, headers, content)
 
 
@@ -333,11 +363,12 @@ def _malformed(
     rec.response_id = None
     rec.error = f"malformed upstream answer: {problem}; body: {content[:2000].decode('utf-8', 'replace')}"
     rec.latency_ms = (time.perf_counter() - started) * 1000.0
-    px.writer.submit(rec)
+    _submit(px, rec)
     px.metrics.observe(rec.endpoint, "upstream_malformed", rec.latency_ms / 1000.0)
     logger.warning("malformed upstream answer (run %s): %s", rec.run_id, problem)
     response = errors.error_response(502, errors.MALFORMED, code="upstream_malformed")
-    response.raw_headers.append(step_header)
+    if step_header is not None:
+        response.raw_headers.append(step_header)
     return response
 
 
@@ -362,6 +393,7 @@ def _relay(
     step_header,
     call: responses.Call | messages.Call | None = None,
     model: str = "",
+    key: keys.AppKey | None = None,
 ) -> StreamRelay:
     """A streaming answer: relay while assembling; store when it ends (however it ends)."""
     assembler = capture.StreamAssembler(Endpoint.CHAT if call is not None else rec.endpoint, inj)
@@ -380,14 +412,17 @@ def _relay(
             if translate is not None:
                 rec.client_response = translate.response
                 rec.response_id = call.response_id if call.store and status == "ok" else None
-            px.writer.submit(rec)
+            _submit(px, rec)
             px.metrics.observe(rec.endpoint, status, rec.latency_ms / 1000.0, ttft)
         finally:
             if rec.run_id is not None:
                 px.inflight.leave(rec.run_id)
+            if key is not None:
+                px.keys.stream_done(key)
 
     headers = forward.response_headers(resp.headers)
-    headers.append(step_header)
+    if step_header is not None:
+        headers.append(step_header)
     max_event = px.settings.max_stream_event_bytes
     return StreamRelay(resp, headers, assembler, inj, started, done, translate, max_event=max_event)
 
@@ -408,7 +443,8 @@ async def _pass(request: Request, path: str) -> Response:
         )
     px = request.app.state.proxy
     if request.method == "GET" and path.startswith("responses/") and path.count("/") == 1:
-        return await responses.retrieve(px, path[len("responses/") :])  # served from the store
+        # served from the store, the caller's app key's only
+        return await responses.retrieve(px, path[len("responses/") :], keys.of(request.scope))
     if request.method == "POST" and path.rstrip("/") == "messages/count_tokens":
         body = validate.parse_body(await request.body(), px.settings.max_json_depth)
         headers = forward.request_headers(list(request.scope["headers"]), px.drop_headers, identity=True)

@@ -36,7 +36,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rlproxy.errors import APIError, StorageError
-from rlproxy.proxy import runkey, validate
+from rlproxy.proxy import keys, runkey, validate
 from rlproxy.proxy.validate import Int64
 from rlproxy.storage import queries
 from rlproxy.storage.errors import StoreUnavailable
@@ -153,7 +153,10 @@ async def post_reward(px, scope, receive, run_id: str, named: str | None, action
     for k, v in scope["headers"]:
         if k == b"content-length":
             declared = v
-    return await _reward(px, receive, declared, run_id, judge=_ACTIONS[action])
+    key = keys.of(scope)  # an app's key: its runs only (another app's run is not found, 404)
+    return await _reward(
+        px, receive, declared, keys.scoped(key, run_id), judge=_ACTIONS[action], shown=run_id
+    )
 
 
 def _same_run(run_id: str, named: str, action: str) -> str:
@@ -170,7 +173,11 @@ def _same_run(run_id: str, named: str, action: str) -> str:
     return run_id
 
 
-async def _reward(px, receive, declared: bytes | None, run_id: str, judge: bool = False) -> Response:
+async def _reward(
+    px, receive, declared: bytes | None, run_id: str, judge: bool = False, shown: str | None = None
+) -> Response:
+    """Store a reward (or judge request) for stored run `run_id`; `shown`: the id the app used."""
+    shown = run_id if shown is None else shown
     raw = await validate.read_body(receive, declared, px.settings.max_body_bytes)
     # orjson rejects NaN/Infinity literals as invalid JSON; accept them so they get the 422 they deserve
     body = (
@@ -229,8 +236,8 @@ async def _reward(px, receive, declared: bytes | None, run_id: str, judge: bool 
             raise
         px.runs.close(run_id)  # no more turns into this reward (proxy/runstate.py)
     if reward is None:
-        return _json({"run_id": run_id, "reward": None, "judge": True, "stored": stored})
-    return _json({"run_id": run_id, "reward": reward, "stored": stored})
+        return _json({"run_id": shown, "reward": None, "judge": True, "stored": stored})
+    return _json({"run_id": shown, "reward": reward, "stored": stored})
 
 
 @router.get("/v1/runs")
@@ -267,29 +274,49 @@ async def run_stats(request: Request) -> Response:
 async def get_run(request: Request, run_id: str) -> Response:
     """One run with its completions in order and its messages; a 404 only once the writer has
     committed what it holds (a run whose first call was just answered may still be queued)."""
-    runkey.check_id(run_id)
     px = request.app.state.proxy
-    run = await queries.get_run(px.engine, run_id)
+    key = keys.of(request.scope)  # an app's key reads its own runs only: another's is not found
+    if keys.SEP in run_id and key is None and _is_admin(request, px.settings.admin_key):
+        stored = run_id  # an operator reads an app's run by its stored id (`key_...~id`)
+        runkey.check_id(run_id.partition(keys.SEP)[2])
+    else:
+        runkey.check_id(run_id)
+        stored = keys.scoped(key, run_id)
+    run = await queries.get_run(px.engine, stored)
     if run is None and px.writer is not None:  # read your writes: its completions may still be queued
         await px.writer.flush()
-        run = await queries.get_run(px.engine, run_id)
+        run = await queries.get_run(px.engine, stored)
     if run is None:
         raise APIError(404, f"run {run_id!r} not found", code="not_found")
-    if not _operator(px.settings, request.headers):
-        _agents_view(run)
+    if key is not None or not _operator(px.settings, request):
+        _agents_view(run)  # an app never sees the upstream's address or 5xx body (the operator does)
+    if key is not None:
+        run["id"] = run_id
+        run["group_id"] = keys.unscoped(key, run.get("group_id"))
+        for c in run.get("completions") or ():
+            c["run_id"] = run_id
     return _json(run)
 
 
 AGENTS_ERROR = "the model server failed (status {status}); the operator's log and store have the detail"
 
 
-def _operator(settings, headers) -> bool:
+def _is_admin(request: Request, admin_key: str | None) -> bool:
+    """Whether the request carries the operators' key (the guard checked it is a valid key)."""
+    if not admin_key:
+        return False
+    sent = request.headers.get("authorization") or (
+        "Bearer " + request.headers["x-api-key"] if "x-api-key" in request.headers else ""
+    )
+    return hmac.compare_digest(sent.encode(), f"Bearer {admin_key}".encode())
+
+
+def _operator(settings, request: Request) -> bool:
     """Whether the caller holds the admin key, or the proxy has no key at all (then every route,
     the operator's included, is open: nothing here is hidden from anyone)."""
     if settings.admin_key is None:
         return settings.api_key is None
-    sent = headers.get("authorization") or ("Bearer " + headers.get("x-api-key", ""))
-    return hmac.compare_digest(sent.encode(), f"Bearer {settings.admin_key}".encode())
+    return _is_admin(request, settings.admin_key)
 
 
 def _agents_view(run: dict) -> None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from rlproxy.errors import APIError
-from rlproxy.proxy import routes_runs, runkey
+from rlproxy.errors import APIError, RLProxyError
+from rlproxy.proxy import keys, routes_runs, runkey
 from rlproxy.proxy.validate import Int64, OptInt64
 from rlproxy.storage import untagged
 
@@ -49,16 +49,27 @@ async def post_reply_reward(request: Request, reply_id: str) -> Response:
     completion for the judge (see the module doc)."""
     runkey.check_id(reply_id, "reply id")
     px = request.app.state.proxy
-    found = await untagged.find_reply(px.engine, reply_id)
-    if found is None:  # its completion may still be queued: let the writer commit what it holds
-        await px.writer.flush()
-        found = await untagged.find_reply(px.engine, reply_id)
+    key = keys.of(request.scope)  # an app's key rewards its own replies only (proxy/keys.py)
+    key_id = key.id if key is not None else None
+    run_name = keys.scoped(key, reply_id, "reply id")  # the run it becomes, in the key's namespace
+    # what the writer holds first: the reply may still be queued, and so may a later reply of the
+    # key that carried the same id (an upstream that repeats its ids): ambiguous, never one picked
+    await px.writer.flush()
+    found = await untagged.find_reply(px.engine, reply_id, key_id, run_name)
     if found is None:
         raise APIError(
             404,
             f"no response with id {reply_id!r} is stored (a reply's `id`, e.g. chatcmpl-...)",
             param="reply_id",
             code="reply_not_found",
+        )
+    if found.get("ambiguous"):
+        raise APIError(
+            409,
+            f"several of your replies carried the id {reply_id!r} (the upstream repeats its ids): "
+            "it names no one reply; send an X-Run-Id with each request and reward the run instead",
+            param="reply_id",
+            code="reply_ambiguous",
         )
     if found.get("tagged"):
         raise APIError(
@@ -69,13 +80,15 @@ async def post_reply_reward(request: Request, reply_id: str) -> Response:
         )
     if found["run_id"] is None:
         request_body = found.get("request") if isinstance(found.get("request"), dict) else {}
+        group = runkey.default_group(found.get("policy"), request_body)
         adopted = await untagged.adopt(
             px.engine,
             found["id"],
-            reply_id,
+            run_name,
             policy=found.get("policy"),
-            group_id=runkey.default_group(found.get("policy"), request_body),
+            group_id=keys.scoped(key, group, "group id"),
             created_at=found.get("created_at"),
+            key_id=key_id,
         )
         if not adopted:
             raise APIError(
@@ -87,4 +100,8 @@ async def post_reply_reward(request: Request, reply_id: str) -> Response:
     declared = request.headers.get("content-length")
     judge = request.url.path.endswith("/complete")
     body = declared.encode() if declared else None
-    return await routes_runs._reward(px, request.receive, body, reply_id, judge=judge)
+    try:
+        return await routes_runs._reward(px, request.receive, body, run_name, judge=judge, shown=reply_id)
+    except RLProxyError as exc:
+        keys.unscope_error(exc, key)  # the app's reply id as it knows it
+        raise

@@ -24,7 +24,7 @@ class Who(StrEnum):
     """Who may call a route."""
 
     PUBLIC = "anyone"  # no key (the page and its scripts hold no data; /healthz)
-    AGENT = "agent"  # the agents' key RLPROXY_API_KEY, or the admin key
+    AGENT = "agent"  # the agents' key RLPROXY_API_KEY, an app's key (`rlproxy keys`), or the admin key
     ADMIN = "operator"  # the operators' key RLPROXY_ADMIN_KEY only
 
 
@@ -67,7 +67,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         ("/v1/training*", "/v1/admin/*"),
         Who.ADMIN,
-        what="training data (steps, rollouts, shadow checks); adapter control",
+        what="training data (steps, rollouts, shadow checks); adapter control; apps' keys",
     ),
     Rule(
         # the ones ending `/runs/reward` name no route, but get the reward bound as any such path did

@@ -103,6 +103,10 @@ class Run(Base):
     branch_of: Mapped[int | None] = mapped_column(
         Integer, comment="completions.id this sibling run answers again (NULL: an app's run)"
     )
+    # keys per app (migration 0016; proxy/keys.py)
+    key_id: Mapped[str | None] = mapped_column(
+        String(32), index=True, comment="keys.id of the app that made it (NULL: the shared agents' key)"
+    )
 
     __table_args__ = (
         Index("ix_runs_status_group", "status", "group_id"),
@@ -164,11 +168,34 @@ class Completion(Base):
         comment="hosted: a text-only upstream answered (token ids NULL: SFT data, never a GRPO sample); "
         "NULL: captured with exact tokens",
     )
+    key_id: Mapped[str | None] = mapped_column(
+        String(32), comment="keys.id of the app that made the call (NULL: the shared agents' key)"
+    )
 
     __table_args__ = (
         UniqueConstraint("run_id", "seq", name="uq_completions_run_seq"),
         Index("ux_completions_capture_id", "capture_id", unique=True),
         Index("ux_completions_response_id", "response_id", unique=True),
+    )
+
+
+class Key(Base):
+    """An app's key (`rlproxy keys create`): what it may use, at what rate; its secret stored hashed."""
+
+    __tablename__ = "keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, comment="public id, key_<hex>")
+    name: Mapped[str] = mapped_column(String(128), unique=True, comment="the operator's name for the app")
+    secret_hash: Mapped[str] = mapped_column(String(64), comment="sha256 hex of the secret (rk-...)")
+    policies: Mapped[list[Any] | None] = mapped_column(comment="JSON list of policies it may use; NULL: all")
+    rpm: Mapped[int | None] = mapped_column(Integer, comment="requests per minute (NULL: no limit)")
+    tpm: Mapped[int | None] = mapped_column(Integer, comment="tokens per minute (NULL: no limit)")
+    max_streams: Mapped[int | None] = mapped_column(Integer, comment="streams in flight (NULL: no limit)")
+    scorer_url: Mapped[str | None] = mapped_column(Text, comment="its own scorer for siblings (NULL: none)")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), comment="NULL: valid")
+    last_used_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), comment="last request seen (updated once a minute at most per replica)"
     )
 
 

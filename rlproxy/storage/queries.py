@@ -176,6 +176,7 @@ async def stored_response(engine: AsyncEngine, response_id: str) -> dict[str, An
     and `response`, and the `client_response` the client got; None when no stored response has that id."""
     q = select(
         COMPLETIONS.c.run_id,
+        COMPLETIONS.c.key_id,
         COMPLETIONS.c.status,
         COMPLETIONS.c.request,
         COMPLETIONS.c.response,

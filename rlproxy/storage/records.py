@@ -59,6 +59,7 @@ class CompletionRecord:
     client_request: dict[str, Any] | None = None  # the Responses request body as the client sent it
     client_response: dict[str, Any] | None = None  # the Responses object the client received
     source: str | None = None  # "hosted": a text-only upstream answered (no token ids); None: captured
+    key_id: str | None = None  # the app's key (keys.id; proxy/keys.py); None: the shared agents' key
 
 
 # The record fields that are `completions` columns (group_id/default_group belong to the run).
@@ -88,6 +89,7 @@ COMPLETION_FIELDS: tuple[str, ...] = (
     "client_request",
     "client_response",
     "source",
+    "key_id",
 )
 
 

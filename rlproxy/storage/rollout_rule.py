@@ -44,6 +44,7 @@ class RuleConfig:
     min_pairs: int = 10  # groups on both arms for the paired test
     error_margin: float = 0.05  # error-rate excess (absolute) that may roll back on errors alone
     inconclusive: str = "rollback"  # rollback | promote at the last look without a significant result
+    max_key_share: float = 1.0  # most of an arm one app key's runs may be (1 = no cap; `cap_keys`)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ArmRun:
     group_id: str | None
     reward: float | None
     errored: bool = False
+    key_id: str | None = None  # the app key that made it (None: the shared agents' key)
 
 
 @dataclass
@@ -178,8 +180,45 @@ def group_diffs(cand: Sequence[ArmRun], inc: Sequence[ArmRun]) -> list[float]:
 # ------------------------------------------------------------------ the rule
 
 
+def cap_keys(runs: Sequence[ArmRun], share: float) -> list[ArmRun]:
+    """`runs` (oldest first) with each app key's runs beyond `share` of the arm left out.
+
+    The share is of the arm as it is used: each key keeps at most c runs, its oldest, where c is
+    the largest number with c <= share * (the runs kept), found by iterating c from share * all runs
+    down to its fixed point. So one key cannot outweigh the others however many runs it makes
+    (at 0.5 it keeps at most as many as all the others together). Runs of the shared agents' key
+    (key_id None: a one-app deployment) are never capped."""
+    if share >= 1.0:
+        return list(runs)
+    counts: dict[str, int] = {}
+    shared = 0
+    for r in runs:
+        if r.key_id is None:
+            shared += 1
+        else:
+            counts[r.key_id] = counts.get(r.key_id, 0) + 1
+    cap = share * len(runs)
+    for _ in range(200):
+        kept = shared + sum(min(n, cap) for n in counts.values())
+        new = share * kept
+        if cap - new < 1e-9:
+            break
+        cap = new
+    limit = math.floor(cap + 1e-9)
+    taken: dict[str, int] = {}
+    out = []
+    for r in runs:
+        if r.key_id is not None:
+            if taken.get(r.key_id, 0) >= limit:
+                continue
+            taken[r.key_id] = taken.get(r.key_id, 0) + 1
+        out.append(r)
+    return out
+
+
 def decide(cand: Sequence[ArmRun], inc: Sequence[ArmRun], looks_done: int, cfg: RuleConfig) -> Verdict:
     """The verdict on the arms' runs so far, given the looks already taken (see the module doc)."""
+    cand, inc = cap_keys(cand, cfg.max_key_share), cap_keys(inc, cfg.max_key_share)
     rc = [r.reward for r in cand if r.reward is not None]
     ri = [r.reward for r in inc if r.reward is not None]
     stats = {

@@ -188,13 +188,16 @@ async def get_rollout(engine: AsyncEngine, rollout_id: int) -> dict[str, Any] | 
 
 async def arm_runs(engine: AsyncEngine, rollout_id: int) -> tuple[list[ArmRun], list[ArmRun]]:
     """(candidate, incumbent) runs of a rollout from the `rollout_runs` view (rewarded or not)."""
-    q = text("SELECT arm, group_id, reward, errored FROM rollout_runs WHERE rollout_id = :id")
+    q = text(
+        "SELECT arm, group_id, reward, errored, key_id FROM rollout_runs WHERE rollout_id = :id "
+        "ORDER BY created_at, run_id"
+    )
     cand: list[ArmRun] = []
     inc: list[ArmRun] = []
     async with engine.connect() as conn:
-        for arm, group, reward, errored in (await conn.execute(q, {"id": rollout_id})).all():
+        for arm, group, reward, errored, key_id in (await conn.execute(q, {"id": rollout_id})).all():
             r = None if reward is None else float(reward)
-            (cand if arm == "candidate" else inc).append(ArmRun(group, r, bool(errored)))
+            (cand if arm == "candidate" else inc).append(ArmRun(group, r, bool(errored), key_id))
     return cand, inc
 
 

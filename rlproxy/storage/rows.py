@@ -60,6 +60,7 @@ async def ensure_runs(conn: AsyncConnection, records: list[CompletionRecord]) ->
             "status": RunStatus.open.value,
             "created_at": rec.created_at or datetime.now(UTC),
             "next_seq": count[rid],
+            "key_id": rec.key_id,
         }
         for rid, rec in sorted(first.items())
     ]
@@ -80,7 +81,10 @@ async def ensure_runs(conn: AsyncConnection, records: list[CompletionRecord]) ->
 def _default_group(rec: CompletionRecord) -> str | None:
     """The group of a run its first completion names none for (`records.default_group`); hashed
     here, once a run per batch, rather than on every tagged request in the serving process."""
-    return default_group(rec.policy, rec.request) if isinstance(rec.request, dict) else None
+    if not isinstance(rec.request, dict):
+        return None
+    group = default_group(rec.policy, rec.request)
+    return group if rec.key_id is None else f"{rec.key_id}~{group}"  # an app's groups are its own
 
 
 _UPSERT_RUNS: dict[str, Any] = {}

@@ -31,10 +31,26 @@ CREATE TABLE completions (
 	ttft_ms FLOAT /* time to first token (streams) */,
 	prompt_tokens INTEGER,
 	completion_tokens INTEGER,
-	created_at DATETIME NOT NULL, capture_id VARCHAR(64) /* unique id the proxy gave the record (its crash-journal replay stores it once) */, response_id VARCHAR(64) /* Responses API: id of the response object; NULL if store: false */, client_request JSON /* Responses API: the request body as the client sent it */, client_response JSON /* Responses API: the response object the client received */, source VARCHAR(16) /* hosted: a text-only upstream answered (token ids NULL: SFT data, never a GRPO sample); NULL: captured with exact tokens */,
+	created_at DATETIME NOT NULL, capture_id VARCHAR(64) /* unique id the proxy gave the record (its crash-journal replay stores it once) */, response_id VARCHAR(64) /* Responses API: id of the response object; NULL if store: false */, client_request JSON /* Responses API: the request body as the client sent it */, client_response JSON /* Responses API: the response object the client received */, source VARCHAR(16) /* hosted: a text-only upstream answered (token ids NULL: SFT data, never a GRPO sample); NULL: captured with exact tokens */, key_id VARCHAR(32),
 	PRIMARY KEY (id),
 	FOREIGN KEY(run_id) REFERENCES runs (id) ON DELETE CASCADE,
 	CONSTRAINT uq_completions_run_seq UNIQUE (run_id, seq)
+);
+
+CREATE TABLE keys (
+	id VARCHAR(32) NOT NULL /* public id, key_<hex> */,
+	name VARCHAR(128) NOT NULL /* the operator's name for the app */,
+	secret_hash VARCHAR(64) NOT NULL /* sha256 hex of the secret (rk-...) */,
+	policies JSON /* JSON list of policies it may use; NULL: all */,
+	rpm INTEGER /* requests per minute (NULL: no limit) */,
+	tpm INTEGER /* tokens per minute (NULL: no limit) */,
+	max_streams INTEGER /* streams in flight (NULL: no limit) */,
+	scorer_url TEXT /* its own scorer for siblings (NULL: none) */,
+	created_at DATETIME NOT NULL,
+	revoked_at DATETIME /* NULL: valid */,
+	last_used_at DATETIME /* last request seen (updated once a minute at most per replica) */,
+	PRIMARY KEY (id),
+	UNIQUE (name)
 );
 
 CREATE TABLE policies (
@@ -83,7 +99,7 @@ CREATE TABLE runs (
 	metadata JSON /* free JSON posted with the reward */,
 	created_at DATETIME NOT NULL,
 	completed_at DATETIME /* when rewarded */,
-	trained_step INTEGER /* training_steps.step that used it */, status_reason VARCHAR(32) /* why the trainer set its status: no_sibling, zero_variance, stale, no_usable_completion, nonfinite (see storage/training.py) */, reward_source VARCHAR(16) /* app or judge (NULL reward: waiting for the judge) */, judge_explanation TEXT /* the judge's short reason for its score */, judge_rubric TEXT /* rubric named when the run was completed (NULL: the policy's) */, split VARCHAR(8) DEFAULT 'train' NOT NULL /* train, or val: a validation run, served and stored but never trained */, next_seq INTEGER DEFAULT '0' NOT NULL /* seq the run's next completion gets (the writers' counter, see storage/rows.py) */, segments INTEGER /* rows the trainer merged the run's calls into (1: every call extended the last) */, segment_breaks TEXT /* why the run split: JSON list of {"seq", "reason", "at", "of"} (NULL: no break) */, branch_of INTEGER,
+	trained_step INTEGER /* training_steps.step that used it */, status_reason VARCHAR(32) /* why the trainer set its status: no_sibling, zero_variance, stale, no_usable_completion, nonfinite (see storage/training.py) */, reward_source VARCHAR(16) /* app or judge (NULL reward: waiting for the judge) */, judge_explanation TEXT /* the judge's short reason for its score */, judge_rubric TEXT /* rubric named when the run was completed (NULL: the policy's) */, split VARCHAR(8) DEFAULT 'train' NOT NULL /* train, or val: a validation run, served and stored but never trained */, next_seq INTEGER DEFAULT '0' NOT NULL /* seq the run's next completion gets (the writers' counter, see storage/rows.py) */, segments INTEGER /* rows the trainer merged the run's calls into (1: every call extended the last) */, segment_breaks TEXT /* why the run split: JSON list of {"seq", "reason", "at", "of"} (NULL: no break) */, branch_of INTEGER, key_id VARCHAR(32),
 	PRIMARY KEY (id)
 );
 
@@ -155,6 +171,8 @@ CREATE INDEX ix_runs_created_at ON runs (created_at, id);
 
 CREATE INDEX ix_runs_group_id ON runs (group_id);
 
+CREATE INDEX ix_runs_key_id ON runs (key_id);
+
 CREATE INDEX ix_runs_status ON runs (status);
 
 CREATE INDEX ix_runs_status_completed ON runs (status, completed_at, id);
@@ -188,12 +206,12 @@ WHERE json_type(c.response, '$.choices[0].message') = 'object';
 CREATE VIEW rollout_runs AS
 SELECT rollout_id, policy,
     CASE WHEN step = candidate_step THEN 'candidate' ELSE 'incumbent' END AS arm,
-    step, run_id, group_id, reward, status, errored, created_at, completed_at
+    step, run_id, group_id, reward, status, errored, created_at, completed_at, key_id
 FROM (
     SELECT ro.id AS rollout_id, ro.policy AS policy, ro.candidate_step AS candidate_step,
         ro.incumbent_step AS incumbent_step, r.id AS run_id, r.group_id AS group_id,
         r.reward AS reward, r.status AS status, r.created_at AS created_at,
-        r.completed_at AS completed_at,
+        r.completed_at AS completed_at, r.key_id AS key_id,
         (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
         (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
         CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
@@ -203,6 +221,7 @@ FROM (
     JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
         AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
         AND r.branch_of IS NULL
+        AND NOT EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id AND json_extract(c.request, '$.model') LIKE '%@%')
 ) AS a
 WHERE step = last_step AND step IN (candidate_step, incumbent_step);
 

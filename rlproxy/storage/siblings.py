@@ -41,7 +41,7 @@ from sqlalchemy import and_, exists, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from rlproxy.storage.models import Completion, Run, RunStatus, SiblingGroup, SiblingStatus
+from rlproxy.storage.models import Completion, Key, Run, RunStatus, SiblingGroup, SiblingStatus
 from rlproxy.storage.training import StatusReason, _write
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class BranchCall:
     logprobs: list[float] | None
     finish_reason: str | None
     reason: str = "new"  # new, alone or plateau
+    key_id: str | None = None  # the app key that made the call: its siblings are that key's too
 
 
 @dataclass
@@ -99,6 +100,7 @@ class ScoringGroup:
     endpoint: str | None  # the branched call's
     request: dict[str, Any]
     members: list[ScoringMember] = field(default_factory=list)
+    scorer_url: str | None = None  # the call's app key's own scorer (keys.scorer_url), if it has one
 
 
 def _one_choice(row: Any) -> bool:
@@ -131,6 +133,7 @@ def _call(row: Any, reason: str) -> BranchCall:
         logprobs=list(lps) if isinstance(lps, list) else None,
         finish_reason=row.finish_reason,
         reason=reason,
+        key_id=row.key_id,
     )
 
 
@@ -147,6 +150,7 @@ _COLUMNS = (
     Completion.token_ids,
     Completion.logprobs,
     Completion.finish_reason,
+    Completion.key_id,
 )
 
 
@@ -293,12 +297,14 @@ async def create_group(
                 "status": RunStatus.open,
                 "split": "train",
                 "branch_of": call.completion_id,
+                "key_id": call.key_id,
                 "created_at": now,
                 "next_seq": 1,
                 "metadata": {"sibling_member": i, "original": original},
             }
         )
         comps.append({"run_id": rid, "seq": 0, "policy": call.policy, "status": "ok", "created_at": now,
+                      "key_id": call.key_id,
                       "status_code": 200, "stream": False, "prompt_token_ids": call.prompt_ids,
                       "prompt_tokens": len(call.prompt_ids), **completion})  # fmt: skip
 
@@ -404,15 +410,20 @@ async def scoring_groups(engine: AsyncEngine, *, limit: int = 16) -> list[Scorin
                     SiblingGroup.attempts,
                     Completion.endpoint,
                     Completion.request,
+                    Key.scorer_url,
                 )  # fmt: skip
                 .join(Completion, Completion.id == SiblingGroup.completion_id)
+                .outerjoin(Key, Key.id == Completion.key_id)
                 .where(SiblingGroup.status == SiblingStatus.scoring)
                 .order_by(SiblingGroup.created_at, SiblingGroup.id)
                 .limit(limit)
             )
         ).all()
         groups = [
-            ScoringGroup(r.id, r.policy, int(r.attempts or 0), r.endpoint, r.request or {}) for r in rows
+            ScoringGroup(
+                r.id, r.policy, int(r.attempts or 0), r.endpoint, r.request or {}, scorer_url=r.scorer_url
+            )
+            for r in rows
         ]
         if not groups:
             return []

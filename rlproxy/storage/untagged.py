@@ -89,12 +89,19 @@ def _iso(value: Any) -> Any:
     return value
 
 
-async def find_reply(engine: AsyncEngine, reply_id: str) -> dict[str, Any] | None:
-    """The completion whose response carried `reply_id`, untagged or adopted under that id, or None.
+async def find_reply(
+    engine: AsyncEngine, reply_id: str, key_id: str | None = None, run_name: str | None = None
+) -> dict[str, Any] | None:
+    """The completion of key `key_id` (None: the shared agents' key) whose response carried
+    `reply_id`, untagged or adopted as run `run_name` (default: `reply_id`), or None.
 
     Returns its `id`, `run_id` (None: untagged), `policy`, `request` and `created_at`. A reply of a
-    tagged run is returned too (its `run_id` is that run's), so the caller can refuse it.
+    tagged run is returned too (its `run_id` is that run's), so the caller can refuse it; an id that
+    several untagged replies of the key carried (an upstream that repeats its ids) is returned as
+    `{"ambiguous": True}`: never one of them picked.
     """
+    run_name = reply_id if run_name is None else run_name
+    mine = COMPLETIONS.c.key_id.is_(None) if key_id is None else COMPLETIONS.c.key_id == key_id
     query = (
         select(
             COMPLETIONS.c.id,
@@ -103,17 +110,22 @@ async def find_reply(engine: AsyncEngine, reply_id: str) -> dict[str, Any] | Non
             COMPLETIONS.c.request,
             COMPLETIONS.c.created_at,
         )
-        .where(_reply_id_expr() == reply_id)
-        .where(or_(COMPLETIONS.c.run_id.is_(None), COMPLETIONS.c.run_id == reply_id))
+        .where(_reply_id_expr() == reply_id, mine)
+        .where(or_(COMPLETIONS.c.run_id.is_(None), COMPLETIONS.c.run_id == run_name))
         .order_by(COMPLETIONS.c.id)
-        .limit(1)
+        .limit(3)
     )
     async with engine.connect() as conn:
-        row = (await conn.execute(query)).mappings().first()
-        if row is None:  # a tagged run's reply: say so without naming the run
-            tagged = await conn.scalar(select(COMPLETIONS.c.id).where(_reply_id_expr() == reply_id).limit(1))
+        rows = [dict(r) for r in (await conn.execute(query)).mappings().all()]
+        if not rows:  # a tagged run's reply: say so without naming the run
+            tagged = await conn.scalar(
+                select(COMPLETIONS.c.id).where(_reply_id_expr() == reply_id, mine).limit(1)
+            )
             return {"id": tagged, "run_id": "", "tagged": True} if tagged is not None else None
-    return dict(row)
+    adopted = [r for r in rows if r["run_id"] == run_name]
+    if adopted:
+        return adopted[0]
+    return rows[0] if len(rows) == 1 else {"ambiguous": True}
 
 
 class _Lost(Exception):
@@ -128,6 +140,7 @@ async def adopt(
     policy: str | None,
     group_id: str,
     created_at: datetime | None = None,
+    key_id: str | None = None,
 ) -> bool:
     """Make untagged completion `completion_id` the first (seq 0) call of a new run `run_id`.
 
@@ -136,7 +149,9 @@ async def adopt(
     """
     conn = await connect_write(engine)
     try:
-        return await _adopt(conn, completion_id, run_id, policy, group_id, created_at or datetime.now(UTC))
+        return await _adopt(
+            conn, completion_id, run_id, policy, group_id, created_at or datetime.now(UTC), key_id
+        )
     except _Lost:
         return False
     finally:
@@ -144,7 +159,13 @@ async def adopt(
 
 
 async def _adopt(
-    conn: Any, completion_id: int, run_id: str, policy: str | None, group_id: str, created_at: datetime
+    conn: Any,
+    completion_id: int,
+    run_id: str,
+    policy: str | None,
+    group_id: str,
+    created_at: datetime,
+    key_id: str | None = None,
 ) -> bool:
     """One transaction: the new run row and the completion's move commit together, or neither."""
     async with conn.begin():
@@ -164,6 +185,7 @@ async def _adopt(
                         status=RunStatus.open.value,
                         created_at=created_at,
                         next_seq=1,
+                        key_id=key_id,
                     )
                 )
         except IntegrityError:

@@ -120,5 +120,6 @@ def controller_from(settings: Any) -> RolloutController | None:
         min_pairs=settings.canary_min_pairs,
         error_margin=settings.canary_error_margin,
         inconclusive=settings.canary_inconclusive,
+        max_key_share=settings.canary_max_key_share,
     )
     return RolloutController(modes, settings.canary_fraction, rule)

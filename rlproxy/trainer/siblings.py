@@ -390,6 +390,7 @@ class SiblingService:
                 endpoint=g.endpoint,
                 request=g.request,
                 candidates=[candidate(m) for m in g.members],
+                scorer_url=g.scorer_url,  # a key's own scorer sees only its own app's calls
             )
             try:
                 scores = await self.scorer.score(req)
