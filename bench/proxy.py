@@ -37,6 +37,12 @@ box's scheduler made (wrk, the stub and the writer share the cores), not the pro
        own work adds is read off this machine, not against absolute goals set on another.
     8. Before the cases, the proxy idle (no request for 1.5 s): the CPU its two processes use a
        second doing nothing, what a laptop pays for leaving `serve` running.
+    9. `--keys` (issue 55): the tagged c=1 case also through a second `rlproxy serve` on the same
+       stub whose store holds one app key (`rlproxy keys create` before it starts; no limits, every
+       policy), with that key's bearer, its rewards too: keys on, against the proxy without keys
+       (keys off) in the same rounds, the two in swapped order every round. Prints keys on's line,
+       p50/p99 keys on - keys off (goal: p50 within 0.05 ms) and added over direct for each, and its
+       rows (stored under the key's namespace, `<key id>~<run id>`) == requests forwarded.
 
 `--pin` gives the serving process (and the floor) a core of its own and puts wrk, the stub, the
 writer process and this process on the others: the layout of a deployment, where the app and the
@@ -48,6 +54,7 @@ model server run elsewhere. Unpinned, all of them share the cores, as on a lapto
     python bench/proxy.py --quick --route messages    # only the Messages API cases (Anthropic's)
     python bench/proxy.py --compare litellm           # direct vs rlproxy vs LiteLLM (make litellm)
     python bench/proxy.py --quick --pin               # the proxy on a core of its own
+    python bench/proxy.py --quick --only '^tagged c=1 delay=0$' --keys   # keys on vs keys off
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
+import functools
 import math
 import os
 import re
@@ -234,12 +242,27 @@ def rows_for(db_path: Path, run_id: str, expect: int, wait_s: float = 15.0, pref
 
 class Rewarder:
     """Posts rewards while the load runs: for `share` of the runs whose prefix is `prefix`, as soon
-    as the store holds all `turns` of their completions (read from the SQLite file, read-only)."""
+    as the store holds all `turns` of their completions (read from the SQLite file, read-only).
+    `auth` (an app key's `Bearer rk-...`, `--keys`) goes with each reward; its runs are stored as
+    `scope` + the run id (`<key id>~`, proxy/keys.py) and rewarded by the id the app sent."""
 
-    def __init__(self, proxy_url: str, db_path: Path, share: float, turns: int, workers: int = 4) -> None:
+    def __init__(
+        self,
+        proxy_url: str,
+        db_path: Path,
+        share: float,
+        turns: int,
+        workers: int = 4,
+        auth: str = "",
+        scope: str = "",
+    ) -> None:
         self.url, self.db_path, self.share, self.turns = proxy_url, db_path, share, turns
+        self.scope = scope
         self.client = httpx.Client(
-            base_url=proxy_url, timeout=30.0, limits=httpx.Limits(max_connections=workers)
+            base_url=proxy_url,
+            timeout=30.0,
+            limits=httpx.Limits(max_connections=workers),
+            headers={"Authorization": auth} if auth else None,
         )
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="bench-reward")
         self.prefix: str | None = None
@@ -261,6 +284,7 @@ class Rewarder:
             prefix = self.prefix
             if prefix is None:
                 continue
+            prefix = self.scope + prefix
             try:
                 con = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
                 try:
@@ -280,6 +304,7 @@ class Rewarder:
                 if rid in self.seen:
                     continue
                 self.seen.add(rid)
+                rid = rid.removeprefix(self.scope)  # the id the app sent
                 crc = zlib.crc32(rid.encode())
                 if crc % 1000 < self.share * 1000:
                     self.pool.submit(self._post, rid, (crc % 11) / 10)
@@ -397,9 +422,10 @@ def _run_ns(pid: int) -> int:
 class Proxy:
     """`rlproxy serve` attached to the stub, in its own process (so its CPU time is its own)."""
 
-    def __init__(self, stub_url: str, db_path: Path) -> None:
+    def __init__(self, stub_url: str, db_path: Path, label: str = "rlproxy serve") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.label = label  # names it in the lines it prints
         env = {
             **os.environ,
             "RLPROXY_MODEL": "stub-model",
@@ -469,7 +495,87 @@ class Proxy:
             ln for ln in Path(self.log.name).read_text().splitlines() if " WARNING " in ln or " ERROR " in ln
         ]
         if warnings:
-            print(f"\n## rlproxy serve logged {len(warnings)} warnings or errors; the first: {warnings[0]}")
+            print(f"\n## {self.label} logged {len(warnings)} warnings or errors; the first: {warnings[0]}")
+
+
+class KeysOn:
+    """`--keys`: a second `rlproxy serve` on the same stub whose store holds one app key, made as an
+    operator makes it (`rlproxy keys create`, no limits, every policy) before it starts, so that
+    every request it serves is keyed (hashed bearer, ids namespaced per key, policy check, cache
+    salt, counters). The keyed cases also run through it with that key's bearer, in the same rounds
+    as the proxy without keys (`Proxy`, keys off), and their rewards go with the same bearer."""
+
+    NAME = "bench-app"
+
+    def __init__(self, stub_url: str, db_path: Path, share: float, turns: int) -> None:
+        self.db_path, self.stub_url = db_path, stub_url
+        out = subprocess.run(
+            [str(VENV_BIN / "rlproxy"), "keys", "create", "--name", self.NAME],
+            env={**os.environ, "RLPROXY_DB_URL": f"sqlite+aiosqlite:///{db_path}"},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        found = re.search(rf"key (key_\w+) \({self.NAME}\): (rk-\S+)", out)
+        if found is None:
+            raise RuntimeError(f"rlproxy keys create printed no key: {out!r}")
+        self.key_id, self.auth = found[1], f"Bearer {found[2]}"
+        self.scope = self.key_id + "~"  # its runs' stored ids (proxy/keys.py `scoped`)
+        self.proxy = Proxy(stub_url, db_path, "rlproxy serve (--keys: keys on)")
+        self.rewarder = Rewarder(self.proxy.url, db_path, share, turns, auth=self.auth, scope=self.scope)
+        self.start(None)
+
+    def start(self, run_id: str | None) -> None:
+        """A new case (`run_id` None: one the keyed proxy sits out): its counts restart."""
+        self.rewarder.watch(run_id)
+        self.slices: list[dict] = []
+        self.forwarded, self.cpu = 0, 0.0
+
+    def slice(self, url: str, script: Path, conns: int, secs: float, slice_id: str, **kw) -> None:
+        """One wrk slice through the keyed proxy (`kw`: wrk's delay, stream, route, turns)."""
+        before_stub, before_cpu = stub_count(self.stub_url), self.proxy.cpu()
+        self.slices.append(wrk(url, script, conns, secs, slice_id, auth=self.auth, **kw))
+        self.forwarded += settled(self.stub_url, before_stub, quiet_s=0.3)
+        self.cpu += self.proxy.cpu() - before_cpu
+
+    def close(self) -> None:
+        self.rewarder.close()
+        self.proxy.stop()
+
+
+def keys_on(keys: KeysOn, name: str, run_id: str, d: dict, off: dict, tagged: bool) -> list[str]:
+    """`--keys`: print the keyed side of case `name` against keys off (`off`, the proxy's slices) and
+    direct (`d`) of the same rounds; return the goals it missed."""
+    failures: list[str] = []
+    on = combine(keys.slices)
+    codes, _ = keys.rewarder.drain(0.0) if tagged else ({}, [])  # the keys-off drain waited already
+    rows = rows_for(keys.db_path, keys.scope + run_id, keys.forwarded, prefix=tagged)
+    print(
+        f"  keys on: {on['rps']:8.0f} req/s  p50 {on['p50_ms']:.3f} ms  p99 {on['p99_ms']:.3f} ms"
+        f"  (non-2xx {on['non2xx']}, socket errors {on['socket_errors']})"
+        f"  {keys.cpu / max(keys.forwarded, 1) * 1000:.3f} CPU-s per 1,000 (an app key's bearer)"
+    )
+    diff50, diff99 = on["p50_ms"] - off["p50_ms"], on["p99_ms"] - off["p99_ms"]
+    ok = abs(diff50) <= GOALS["keys_p50_ms"]
+    print(
+        f"  keys on - keys off: p50 {diff50:+.3f} ms (goal within {GOALS['keys_p50_ms']}), p99 {diff99:+.3f}"
+        f" ms; added over direct: p50 {on['p50_ms'] - d['p50_ms']:.3f} ms (keys off"
+        f" {off['p50_ms'] - d['p50_ms']:.3f}), p99 {on['p99_ms'] - d['p99_ms']:.3f} ms (keys off"
+        f" {off['p99_ms'] - d['p99_ms']:.3f})  {'OK' if ok else 'MISSED'}"
+    )
+    if not ok:
+        failures.append(name + " keys p50")
+    same = rows == keys.forwarded and on["non2xx"] == 0
+    rewarded = f"rewards posted {sum(codes.values())}: {codes}; " if tagged else ""
+    print(
+        f"  keys on: {rewarded}rows stored {rows} == requests forwarded {keys.forwarded}"
+        f" (wrk completed {on['requests']}): {'OK' if same else 'MISMATCH'}"
+    )
+    if not same:
+        failures.append(name + " keys rows")
+    if tagged and (codes.get(200, 0) != sum(codes.values()) or not codes):
+        failures.append(name + " keys rewards")
+    return failures
 
 
 # ---- --compare litellm: direct vs rlproxy vs LiteLLM's proxy, same stub, same wrk, same run ----
@@ -560,21 +666,24 @@ def _pin(pid: int, cpus: set[int]) -> None:
             pass
 
 
-def pin_layout(stub: subprocess.Popen, proxy: Proxy, floor: Floor) -> str:
-    """`--pin`: the proxy's serving process and the floor on the last core, the rest (this process,
-    so wrk and the poller, the stub, the writer process) on the others; says so in a line."""
+def pin_layout(stub: subprocess.Popen, proxy: Proxy, floor: Floor, keys: KeysOn | None = None) -> str:
+    """`--pin`: the proxy's serving process and the floor (and `--keys`' proxy) on the last core, the
+    rest (this process, so wrk and the poller, the stub, the writer processes) on the others; says
+    so in a line."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2 or not sys.platform.startswith("linux"):
         return "unpinned (--pin needs Linux and 2 cores)"
     own, rest = {cpus[-1]}, set(cpus[:-1])
     _pin(os.getpid(), rest)
     _pin(stub.pid, rest)
-    _pin(proxy.proc.pid, own)
-    for child in proxy.ps.children(recursive=True):  # the writer process (idle priority)
-        _pin(child.pid, rest)
+    for serving in [proxy] + ([keys.proxy] if keys is not None else []):
+        _pin(serving.proc.pid, own)
+        for child in serving.ps.children(recursive=True):  # the writer process (idle priority)
+            _pin(child.pid, rest)
     _pin(floor.proc.pid, own)
     others = ",".join(str(c) for c in cpus[:-1])
-    return f"pinned: serving process and floor on CPU {cpus[-1]}; wrk, stub, writer on CPU {others}"
+    serving = "serving processes (keys off, keys on)" if keys is not None else "serving process"
+    return f"pinned: {serving} and floor on CPU {cpus[-1]}; wrk, stub, writer on CPU {others}"
 
 
 def machine() -> str:
@@ -731,6 +840,12 @@ def main() -> int:
         help="the proxy's serving process (and the floor) on a core of its own, everything else on the"
         " others: the layout of a deployment, where the app and the model server are elsewhere",
     )
+    ap.add_argument(
+        "--keys",
+        action="store_true",
+        help="also run the tagged c=1 case through a second proxy whose store holds an app key, with"
+        " that key's bearer (keys on), in the same rounds as the proxy without keys (keys off)",
+    )
     ap.add_argument("--poller", metavar="DB", help=argparse.SUPPRESS)  # the trainer-poll subprocess
     ap.add_argument("--delay-ms", type=float, default=0.0, help="--compare: the stub's delay per answer, ms")
     ap.add_argument(
@@ -763,6 +878,7 @@ CASES = [
     ("messages: tagged c=1 delay=0", 1, 0.0, False, "messages", True, False),
     ("messages: tagged c=64 delay=50ms stream", 64, 0.05, True, "messages", True, False),
 ]
+KEYED = {"tagged c=1 delay=0"}  # the cases `--keys` also runs with an app key (issue 55's acceptance)
 GOALS = {
     "add_p50_ms": 0.3,
     "add_p99_ms": 2.0,
@@ -770,6 +886,7 @@ GOALS = {
     "ratio": 0.95,
     "cpu_k": 0.35,
     "stream_x": 1.5,
+    "keys_p50_ms": 0.05,  # --keys: |p50 keys on - p50 keys off| at c=1
 }
 
 
@@ -785,13 +902,16 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
         [sys.executable, str(ROOT / "tests" / "stub_upstream.py"), "--port", str(stub_port)],
         stdout=subprocess.DEVNULL,
     )
-    proxy = rewarder = floor = None
+    proxy = rewarder = floor = keys = None
     failures: list[str] = []
     try:
         wait_http(f"{stub_url}/health")
+        cases = [c for c in CASES if args.route in ("all", c[4]) and re.search(args.only, c[0])]
         proxy = Proxy(stub_url, db_path)
         floor = Floor(stub_url)
         rewarder = Rewarder(proxy.url, db_path, args.reward_share, args.turns)
+        if args.keys and any(c[0] in KEYED for c in cases):
+            keys = KeysOn(stub_url, tmp / "keys.db", args.reward_share, args.turns)
         direct = f"{stub_url}/v1/chat/completions"
         via = {
             "chat": f"{proxy.url}/v1/chat/completions",
@@ -804,10 +924,21 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
         for route in via:
             wrk(via[route], script, 4, 1, "warmup", 0, False, route=route, turns=args.turns)
             wrk(via[route], script, 4, 1, "warmup-s", 0, True, route=route, turns=args.turns)
+        if keys is not None:
+            wrk(
+                f"{keys.proxy.url}/v1/chat/completions",
+                script,
+                4,
+                1,
+                "warmup",
+                0,
+                False,
+                keys.auth,
+                turns=args.turns,
+            )
 
-        cases = [c for c in CASES if args.route in ("all", c[4]) and re.search(args.only, c[0])]
         box = machine()  # before pinning this process to some of its cores
-        layout = pin_layout(stub, proxy, floor) if args.pin else "unpinned"
+        layout = pin_layout(stub, proxy, floor, keys) if args.pin else "unpinned"
         load = os.getloadavg()
         print(
             f"# bench/proxy.py: {secs:g} s per measurement in {rounds} alternating direct/proxy rounds,"
@@ -816,6 +947,12 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
             f" poll query every {args.poll_interval:g} s; {box}; load {load[0]:.2f} {load[1]:.2f};"
             f" {layout}"
         )
+        if keys is not None:
+            print(
+                f"# --keys: keys on = a second `rlproxy serve` on the same stub whose store holds one app"
+                f" key ({keys.key_id}, `rlproxy keys create`, no limits), sent as its bearer; keys off ="
+                f" the proxy above, no key; both in each round, their order swapped every round"
+            )
         time.sleep(1.5)  # no request for a while: the loop-lag sampler is at its idle pace
         idle = min(secs, 3.0)
         before = proxy.run_ns()
@@ -833,8 +970,28 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
             poller = Poller(db_path, args.poll_interval) if poll else None
             rewarder.watch(run_id if tagged else None)
             turns = args.turns if tagged else 0
+            on = keys is not None and name in KEYED
+            if keys is not None:
+                keys.start(run_id if on else None)
+            keys_slice = (  # one keyed slice: keys_slice(its run id prefix)
+                functools.partial(
+                    keys.slice,
+                    keys.proxy.url + via[route].removeprefix(proxy.url),
+                    script,
+                    conns,
+                    secs / rounds,
+                    delay=delay,
+                    stream=stream,
+                    route=route,
+                    turns=turns,
+                )
+                if on
+                else None
+            )
             for r in range(rounds):
                 ds.append(wrk(direct, script, conns, secs / rounds, "", delay, stream))
+                if on and r % 2:  # keys on before keys off in odd rounds, after in even ones
+                    keys_slice(f"{run_id}-{r}" if tagged else run_id)
                 if route == "chat":  # the floor relays the same request (the stub's chat route)
                     before_fcpu = floor.cpu()
                     fs.append(
@@ -878,6 +1035,8 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
                 after_lag = loop_lag(proxy.url)
                 for le, n in after_lag.items():  # only the proxy slices' samples
                     lag[le] = lag.get(le, 0.0) + n - before_lag.get(le, 0.0)
+                if on and not r % 2:
+                    keys_slice(f"{run_id}-{r}" if tagged else run_id)
             codes, reward_s = rewarder.drain() if tagged else ({}, [])
             poll_line = poller.stop() if poller is not None else None
             d, p = combine(ds), combine(ps)
@@ -957,6 +1116,8 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
             )
             if not same:
                 failures.append(name + " rows")
+            if on:
+                failures += keys_on(keys, name, run_id, d, p, tagged)
         print(f"\n## overall proxy CPU: {total_cpu / max(total_req, 1) * 1000:.3f} CPU-s per 1,000 requests")
         base = cpu_k.get("tagged c=64 delay=50ms")
         if base is not None:
@@ -982,6 +1143,8 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
     finally:
         if rewarder is not None:
             rewarder.close()
+        if keys is not None:
+            keys.close()
         if proxy is not None:
             proxy.stop()
         if floor is not None:
