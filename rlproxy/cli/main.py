@@ -21,7 +21,15 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from rlproxy.cli.options import ENV_NOTE, CleanErrors, field_default, setting, settings_flags
+from rlproxy.cli.options import (
+    ENV_NOTE,
+    CleanErrors,
+    describe,
+    field_default,
+    get_current_context,
+    setting,
+    settings_flags,
+)
 from rlproxy.inference.models import make_tiny, resolve_model
 from rlproxy.logsetup import quiet_third_party
 from rlproxy.settings import Settings
@@ -198,10 +206,28 @@ def _existing_db(url: str) -> None:
         )
 
 
+def _startup_checks(settings: Settings) -> None:
+    """The start-up mistakes found before anything loads, each one `error:` line and exit 2."""
+    from rlproxy.errors import RLProxyError
+    from rlproxy.inference.models import check_model
+
+    try:
+        if not settings.upstream:  # a model we load (embedded) or launch vLLM on
+            check_model(settings.model, settings.cache_dir)
+    except RLProxyError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
+    try:
+        asyncio.run(dbm.check_store(settings.db_url))
+    except RLProxyError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--db") from None
+
+
 def _serve(settings: Settings, access_log: bool, log_level: str, readonly: bool = False) -> None:
     from rlproxy.cli import processes  # lazy: the web stack and the composition root
 
     _port_free(settings.host, settings.port)
+    if not readonly:
+        _startup_checks(settings)
 
     def ready(base: str) -> None:
         if readonly:
@@ -216,7 +242,13 @@ def _serve(settings: Settings, access_log: bool, log_level: str, readonly: bool 
             settings, readonly=readonly, access_log=access_log, log_level=log_level, on_ready=ready
         )
 
-    _run(go())
+    try:
+        _run(go())
+    except processes.StartupFailed as exc:  # the lifespan raised: one line, as a usage mistake
+        if get_current_context().find_root().params.get("debug"):
+            raise exc.cause from None
+        typer.echo(f"error: rlproxy did not start: {describe(exc.cause)}", err=True)
+        raise typer.Exit(2) from None
     if not started[0]:  # the lifespan failed (its error is in the log): say so in the exit code
         raise typer.Exit(1)
 
