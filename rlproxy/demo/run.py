@@ -151,7 +151,9 @@ def start_server(
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"  # the ready line must reach the log at once
     log_file = open(out / "serve.log", "wb")  # the child keeps its own handle
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_us
+    )
     log_file.close()
     base = f"http://127.0.0.1:{port}" if port else ""
     deadline = time.monotonic() + timeout
@@ -170,6 +172,17 @@ def start_server(
         time.sleep(0.3)
     stop_server(proc)
     raise TimeoutError(f"rlproxy serve was not healthy after {timeout:.0f}s (see {out / 'serve.log'})")
+
+
+def _die_with_us() -> None:
+    """In the child: SIGTERM when the demo's process is gone, however it went (Linux's
+    PR_SET_PDEATHSIG; elsewhere the demo's own SIGTERM/SIGINT handling is all there is)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
