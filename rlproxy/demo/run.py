@@ -152,8 +152,9 @@ def start_server(
     env["PYTHONUNBUFFERED"] = "1"  # the ready line must reach the log at once
     log_file = open(out / "serve.log", "wb")  # the child keeps its own handle
     proc = subprocess.Popen(
-        cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_us
-    )
+        cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        preexec_fn=_die_with_us,
+    )  # fmt: skip
     log_file.close()
     base = f"http://127.0.0.1:{port}" if port else ""
     deadline = time.monotonic() + timeout

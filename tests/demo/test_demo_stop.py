@@ -4,7 +4,6 @@ Before, SIGTERM ended the demo and its `serve`, in a session of its own, went on
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -41,7 +40,7 @@ def test_a_stopped_demo_leaves_no_serve(tmp_path, sig):
     exe = [str(RLPROXY)] if RLPROXY.exists() else [sys.executable, "-m", "rlproxy.cli"]
     demo = subprocess.Popen(
         [*exe, "demo", "--fast", "--out-dir", str(tmp_path / "out")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "RLPROXY_CACHE_DIR": str(tmp_path)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     serve = None
     try:
