@@ -66,6 +66,9 @@ def runs(
 
     found, n_untagged = _read(db, both)
     cols = ["id", "group_id", "policy", "status", "reward", "n_completions", "trained_step", "created_at"]
+    for r in found:  # why a run was skipped or failed (zero_variance, ...), as SQL's status_reason says
+        if r.get("status_reason"):
+            r["status"] = f"{r['status']} ({r['status_reason']})"
     print_table(cols, [[r.get(c) for c in cols] for r in found])
     if n_untagged:
         typer.echo(
