@@ -619,7 +619,9 @@ def demo(
     )
     goal = TASKS[task].GOAL
     if not fast and (summary.get("improvement") or 0.0) < goal:
-        typer.echo(f"The goal (+{goal} mean reward) was not reached in time; see summary.json.", err=True)
+        from rlproxy.demo.pace import shortfall  # lazy: as the demo
+
+        typer.echo(shortfall(summary, goal), err=True)  # why (CPU share, skipped groups) and what next
 
 
 @db_app.command("upgrade", epilog=ENV_NOTE)

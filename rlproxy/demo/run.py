@@ -45,6 +45,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from rlproxy.demo import directory, number_game
 from rlproxy.demo.canary import CANARY_ENV, canary_loop
+from rlproxy.demo.pace import CpuShare, extend_to
 from rlproxy.demo.plot import plot_rewards
 from rlproxy.demo.rungs import evaluate, prompt_split
 from rlproxy.settings import Settings
@@ -384,6 +385,7 @@ def run_demo(
     proc, base = start_server(out, plan.model, 0, plan.group_size, env, backend=backend)
     rss = PeakRSS(proc.pid)
     rss.start()
+    cpu = CpuShare(proc.pid)  # demo/pace.py: the share of the machine it gets
     startup_s = time.monotonic() - started
     echo(f"serving at {base}/v1 after {startup_s:.1f}s; agent: {agent.__name__}")
 
@@ -397,19 +399,21 @@ def run_demo(
         if rollout == "canary":
             stop_reason = canary_loop(base, plan, agent, rows, started, echo, out / "rlproxy.db")
         else:
-            stop_reason = _loop(base, plan, agent, rows, started, echo)
+            stop_reason = _loop(base, plan, agent, rows, started, echo, cpu)
         if measure:
             measure("rl")
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         echo("interrupted: stopping the server and writing what there is")
     finally:
+        cpu_seen = cpu.read()
         stop_server(proc)
         peak_rss_mb = rss.stop()
     summary = _report(out, plan, changed, rows, started, startup_s, peak_rss_mb, stop_reason, echo)
+    summary["cpu"] = cpu_seen
     if rungs:  # directory: base and after RL on the same prompts, each component apart
         summary["rungs"] = [{k: v for k, v in r.items() if k != "example"} for r in rungs]
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -436,21 +440,32 @@ def _loop(
     rows: list[dict[str, Any]],
     started: float,
     echo: Callable[[str], None],
+    cpu: CpuShare | None = None,
 ) -> str:
-    """One group per iteration, appended to `rows`; returns why it stopped (goal, time, max_groups)."""
+    """One group per iteration, appended to `rows`; returns why it stopped (goal, time, max_groups).
+    On a busy machine (`cpu`) a demo out of time without its goal extends once (demo/pace.py)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
     with httpx.Client(base_url=base, timeout=30) as http:
         policy = agent.default_model(client)
-        deadline = started + plan.minutes * 60
+        deadline, minutes = started + plan.minutes * 60, plan.minutes
         held = 0
         while True:
             if plan.max_groups is not None and len(rows) >= plan.max_groups:
                 return "max_groups"
             recent = [r["seconds"] for r in rows[-3:]]
             if time.monotonic() + (sum(recent) / len(recent) if recent else 0.0) > deadline:
-                return "time"  # the next group would end after the deadline
+                seen = cpu.read() if cpu is not None else None
+                longer = extend_to(minutes, seen) if seen else None
+                if longer is None:
+                    return "time"  # the next group would end after the deadline
+                echo(
+                    f"the demo got {seen['share']:.0%} of the CPU (others kept {seen['others_cores']:.1f} "
+                    f"cores busy): going on up to {longer:g} min in all"
+                )
+                deadline, minutes = started + longer * 60, longer
+                continue
             t0 = time.monotonic()
             counters = engine_counters(http)
             episodes = agent.run_group(
@@ -479,6 +494,7 @@ def _loop(
                 "sample_seconds": round(sampled_s, 2),
                 "engine": engine,  # where the sampling went (embedded engine; {} for vLLM)
                 "status": "trained" if trained else runs[0]["status"],
+                "reason": None if trained else runs[0].get("status_reason"),  # zero_variance, ...
                 "example": episodes[0].replies,
             }
             rows.append(row)
