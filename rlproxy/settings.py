@@ -17,9 +17,10 @@ each group is a short class, and splitting them into files would only scatter th
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The tracker names that `report_to` accepts (trainer/reporting.py sends to them), here because the
@@ -245,8 +246,14 @@ class HostedSettings(BaseModel):
 class StoreSettings(BaseModel):
     """Store: the database, the writer and capture durability."""
 
+    data_dir: str = Field(
+        ".",
+        description="folder of the state `serve` keeps: the SQLite store `rlproxy.db` (with its crash "
+        "journal and lock files beside it) and `checkpoints/`, unless db_url or checkpoint_dir say "
+        "otherwise; created on start",
+    )
     db_url: str = Field(
-        "sqlite+aiosqlite:///rlproxy.db", description="SQLAlchemy URL (or a SQLite file path)"
+        "rlproxy.db", description="SQLite file path (in data_dir) or SQLAlchemy URL (postgresql://...)"
     )
     flush_interval: float = Field(
         0.05, ge=0, description="seconds the writer waits to batch rows into one commit"
@@ -478,7 +485,9 @@ class TrainerSettings(BaseModel):
     )
     seed: int = Field(0, description="torch seed of the trainer")
     # checkpoints and publishing
-    checkpoint_dir: str = Field("checkpoints", description="folder holding {policy}/step-NNNN/ checkpoints")
+    checkpoint_dir: str = Field(
+        "checkpoints", description="folder holding {policy}/step-NNNN/ checkpoints (in data_dir)"
+    )
     keep_checkpoints: int = Field(
         3, ge=1, description="newest checkpoints kept on disk (and adapters served)"
     )
@@ -710,6 +719,16 @@ class Settings(
     pydantic, which collects the fields of the last base first, keeps the docs' order)."""
 
     model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore")
+
+    @model_validator(mode="after")
+    def _in_data_dir(self) -> Settings:
+        """The store and the checkpoints go in data_dir unless given apart (as paths relative to it)."""
+        if self.data_dir not in ("", "."):
+            if "db_url" not in self.model_fields_set:
+                self.db_url = str(Path(self.data_dir).expanduser() / self.db_url)
+            if "checkpoint_dir" not in self.model_fields_set:
+                self.checkpoint_dir = str(Path(self.data_dir).expanduser() / self.checkpoint_dir)
+        return self
 
     def group(self, cls: type[Group]) -> Group:
         """The fields of one group (or of a class built on one, like `TrainerConfig`) as that class."""

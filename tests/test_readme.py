@@ -353,7 +353,9 @@ def _help(words: tuple[str, ...]) -> tuple[int, str]:
     """`rlproxy WORDS --help`, in process (the entry point itself is tests/cli/test_cli_help.py's)."""
     width, typer.rich_utils.MAX_WIDTH = typer.rich_utils.MAX_WIDTH, 250
     try:
-        out = CliRunner().invoke(app, [*words, "--help"])
+        out = CliRunner().invoke(app, [*words, "--help-all"])  # serve, train: every setting's option
+        if out.exit_code != 0:
+            out = CliRunner().invoke(app, [*words, "--help"])
     finally:
         typer.rich_utils.MAX_WIDTH = width
     return out.exit_code, out.output

@@ -21,7 +21,15 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from rlproxy.cli.options import ENV_NOTE, CleanErrors, field_default, setting, settings_flags
+from rlproxy.cli.options import (
+    ENV_NOTE,
+    CleanErrors,
+    describe,
+    field_default,
+    get_current_context,
+    setting,
+    settings_flags,
+)
 from rlproxy.inference.models import make_tiny, resolve_model
 from rlproxy.logsetup import quiet_third_party
 from rlproxy.settings import Settings
@@ -72,12 +80,16 @@ def main(
     """rlproxy: an OpenAI-compatible proxy that turns agent traffic into GRPO training."""
 
 
-DbOpt = Annotated[str, setting("db_url", "--db", help="database URL or SQLite file path", metavar="URL")]
+# None when not given: the settings' default then, in data_dir (`RLPROXY_DATA_DIR`)
+DbOpt = Annotated[
+    str | None,
+    setting("db_url", "--db", help="SQLite file or PostgreSQL URL", metavar="URL", show_default="rlproxy.db"),
+]
 LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="rows to show (1-1000)")]
 InitOpt = Annotated[str | None, setting("init_adapter", "--init-adapter", metavar="DIR")]
 # `train` and `sft` load adapters into a server on the base model the server serves
 BaseModelOpt = Annotated[str, setting("model", help="the base model (same weights as the server's)")]
-CheckpointDirOpt = Annotated[str, setting("checkpoint_dir", metavar="DIR")]
+CheckpointDirOpt = Annotated[str | None, setting("checkpoint_dir", metavar="DIR", show_default="checkpoints")]
 
 
 def upstream_opt(help: str) -> Any:
@@ -88,12 +100,11 @@ def upstream_opt(help: str) -> Any:
 def make_settings(**options: Any) -> Settings:
     """Settings from RLPROXY_* variables, overridden by the options that were given (not None)."""
     given = {k: v for k, v in options.items() if v is not None}
-    if "db_url" in given:
-        given["db_url"] = normalize_url(given["db_url"])
     from pydantic import ValidationError
 
     try:
-        return Settings(**given)
+        settings = Settings(**given)
+        return settings.model_copy(update={"db_url": normalize_url(settings.db_url)})
     except ValidationError as exc:  # a bad RLPROXY_* variable, or a value no option type caught
         problems = [
             f"{e['loc'][0]} (RLPROXY_{str(e['loc'][0]).upper()}): {e['msg']}, got {e.get('input')!r}"
@@ -121,36 +132,53 @@ def _logging(level: str) -> None:
 @settings_flags()
 def serve(
     backend: Annotated[Backend, setting("backend")] = field_default("backend"),
-    model: Annotated[str, setting("model")] = field_default("model"),
-    upstream: Annotated[list[str] | None, setting("upstream", metavar="URL")] = None,
-    db: DbOpt = field_default("db_url"),
+    model: Annotated[str, setting("model", help="smollm2-135m, tiny, or a model folder")] = field_default(
+        "model"
+    ),
+    upstream: Annotated[
+        list[str] | None, setting("upstream", metavar="URL", help="attach to this server (repeat: replicas)")
+    ] = None,
+    data_dir: Annotated[
+        str | None,
+        setting("data_dir", metavar="DIR", help="where the store and checkpoints go", show_default="."),
+    ] = None,
+    db: DbOpt = None,
     host: Annotated[str, setting("host")] = field_default("host"),
     port: Annotated[int, setting("port", min=0, max=65535)] = field_default("port"),
     train: Annotated[bool, setting("train", "--train/--no-train")] = field_default("train"),
     group_size: Annotated[int, setting("group_size", min=1)] = field_default("group_size"),
     groups_per_step: Annotated[int, setting("groups_per_step", min=1)] = field_default("groups_per_step"),
-    api_key: Annotated[str | None, setting("api_key", metavar="KEY")] = None,
-    admin_key: Annotated[str | None, setting("admin_key", metavar="KEY")] = None,
-    model_map: Annotated[str, setting("model_map", metavar="NAME=POLICY,...")] = field_default("model_map"),
+    api_key: Annotated[
+        str | None, setting("api_key", metavar="KEY", help="agents' key (see Security)")
+    ] = None,
+    admin_key: Annotated[
+        str | None, setting("admin_key", metavar="KEY", help="operators' key (see Security)")
+    ] = None,
+    model_map: Annotated[str, setting("model_map", metavar="NAME=POLICY,...", hidden=True)] = field_default(
+        "model_map"
+    ),
     blocking_train: Annotated[
-        bool, setting("blocking_train", "--blocking-train/--no-blocking-train")
+        bool, setting("blocking_train", "--blocking-train/--no-blocking-train", hidden=True)
     ] = field_default("blocking_train"),
-    init_adapter: InitOpt = None,
+    init_adapter: Annotated[
+        str | None, setting("init_adapter", "--init-adapter", metavar="DIR", hidden=True)
+    ] = None,
     access_log: Annotated[
-        bool, typer.Option("--access-log/--no-access-log", help="one log line per request")
+        bool, typer.Option("--access-log/--no-access-log", help="one log line per request", hidden=True)
     ] = True,
     log_level: Annotated[LogLevel, typer.Option(help="log level")] = "info",
     settings_given: dict[str, Any] | None = None,
 ) -> None:
     """Run the proxy (and the embedded engine and trainer, by default).
 
-    Every setting is an option here (the ones after --log-level are generated from the settings).
+    The options a first start needs: --help-all shows every setting's, by group.
     """
     settings = make_settings(
         **(settings_given or {}),
         backend=backend,
         model=model,
         upstream=upstream,
+        data_dir=data_dir,
         db_url=db,
         host=host,
         port=port,
@@ -198,10 +226,29 @@ def _existing_db(url: str) -> None:
         )
 
 
+def _startup_checks(settings: Settings) -> None:
+    """The start-up mistakes found before anything loads, each one `error:` line and exit 2."""
+    from rlproxy.errors import RLProxyError
+    from rlproxy.inference.models import check_model
+
+    try:
+        if not settings.upstream:  # a model we load (embedded) or launch vLLM on
+            check_model(settings.model, settings.cache_dir)
+    except RLProxyError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
+    try:
+        asyncio.run(dbm.check_store(settings.db_url))
+    except RLProxyError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--db") from None
+
+
 def _serve(settings: Settings, access_log: bool, log_level: str, readonly: bool = False) -> None:
     from rlproxy.cli import processes  # lazy: the web stack and the composition root
 
     _port_free(settings.host, settings.port)
+    if not readonly:
+        Path(settings.data_dir).expanduser().mkdir(parents=True, exist_ok=True)
+        _startup_checks(settings)
 
     def ready(base: str) -> None:
         if readonly:
@@ -216,7 +263,13 @@ def _serve(settings: Settings, access_log: bool, log_level: str, readonly: bool 
             settings, readonly=readonly, access_log=access_log, log_level=log_level, on_ready=ready
         )
 
-    _run(go())
+    try:
+        _run(go())
+    except processes.StartupFailed as exc:  # the lifespan raised: one line, as a usage mistake
+        if get_current_context().find_root().params.get("debug"):
+            raise exc.cause from None
+        typer.echo(f"error: rlproxy did not start: {describe(exc.cause)}", err=True)
+        raise typer.Exit(2) from None
     if not started[0]:  # the lifespan failed (its error is in the log): say so in the exit code
         raise typer.Exit(1)
 
@@ -256,7 +309,7 @@ def engine(
 @app.command(epilog=ENV_NOTE)
 @settings_flags(skip=("host", "port", "api_key", "admin_key", "train", "blocking_train", "backend"))
 def train(
-    db: DbOpt = field_default("db_url"),
+    db: DbOpt = None,
     upstream: upstream_opt(
         "the inference server to publish adapters to (repeat for several replicas: each gets them)"
     ) = None,
@@ -364,10 +417,10 @@ def sft(
     epochs: Annotated[int, typer.Option(min=1, help="passes over the examples")] = 1,
     batch_size: Annotated[int, typer.Option(min=1, help="examples per optimizer step")] = 16,
     learning_rate: Annotated[float | None, setting("learning_rate", min=0)] = None,
-    db: DbOpt = field_default("db_url"),
+    db: DbOpt = None,
     upstream: upstream_opt("also load the new adapter into this server (else serve's poll does)") = None,
     model: BaseModelOpt = field_default("model"),
-    checkpoint_dir: CheckpointDirOpt = field_default("checkpoint_dir"),
+    checkpoint_dir: CheckpointDirOpt = None,
 ) -> None:
     """Supervised fine-tuning from stored runs (exact tokens) or a chat file, published as the next step."""
     from rlproxy.cli import processes  # lazy: the web stack and the composition root
@@ -434,8 +487,8 @@ def sft(
 def fork(
     source: Annotated[str, typer.Argument(metavar="POLICY@N", help="the step to start from")],
     new_policy: Annotated[str, typer.Argument(metavar="NEW_POLICY", help="the new policy's name")],
-    db: DbOpt = field_default("db_url"),
-    checkpoint_dir: CheckpointDirOpt = field_default("checkpoint_dir"),
+    db: DbOpt = None,
+    checkpoint_dir: CheckpointDirOpt = None,
 ) -> None:
     """Start a new policy from a step: NEW_POLICY@1 is POLICY@N (adapter and optimizer state)."""
     from rlproxy.cli import processes  # lazy: the web stack and the composition root
@@ -468,7 +521,7 @@ from rlproxy.cli import read as _read_commands  # noqa: E402, F401, I001
 
 @app.command(epilog=ENV_NOTE)
 def dashboard(
-    db: DbOpt = field_default("db_url"),
+    db: DbOpt = None,
     host: Annotated[str, setting("host")] = field_default("host"),
     port: Annotated[int, setting("dashboard_port", "--port", min=0, max=65535)] = field_default(
         "dashboard_port"
@@ -568,9 +621,12 @@ def demo(
     ] = None,
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
+    import signal
+
     from rlproxy.demo.run import TASKS, run_demo  # lazy: the demo and its clients
 
     _logging("warning")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped as by Ctrl-C: serve stopped too
     if teacher_episodes is not None and not teacher:
         raise typer.BadParameter("--teacher-episodes is the distill demo's: add --teacher")
     signal_options = (signal, siblings, scorer, shadow, rung_minutes)
@@ -610,15 +666,21 @@ def demo(
         rung_minutes=rung_minutes,
     )
     if "signal" in summary:  # the rungs are the measure
-        goal, gain, what = summary["signal"]["rung_goal"], summary.get("rung_gain"), "on the rungs"
-    else:
-        goal, gain, what = TASKS[task].GOAL, summary.get("improvement"), "mean reward"
-    if not fast and (gain or 0.0) < goal:
-        typer.echo(f"The goal (+{goal} {what}) was not reached in time; see summary.json.", err=True)
+        goal, gain = summary["signal"]["rung_goal"], summary.get("rung_gain")
+        if not fast and (gain or 0.0) < goal:
+            typer.echo(
+                f"The goal (+{goal} on the rungs) was not reached in time; see summary.json.", err=True
+            )
+    elif not fast and (summary.get("improvement") or 0.0) < TASKS[task].GOAL:
+        from rlproxy.demo.pace import shortfall  # lazy: as the demo
+
+        typer.echo(
+            shortfall(summary, TASKS[task].GOAL), err=True
+        )  # why (CPU share, skipped groups), what next
 
 
 @db_app.command("upgrade", epilog=ENV_NOTE)
-def db_upgrade(db: DbOpt = field_default("db_url")) -> None:
+def db_upgrade(db: DbOpt = None) -> None:
     """Apply the Alembic migrations up to head (creates the database if there is none)."""
     url = make_settings(db_url=db).db_url
     dbm.upgrade(url)
@@ -644,3 +706,4 @@ def models_make_tiny(
 
 from rlproxy.cli import keys as _keys  # noqa: E402, F401  (registers `rlproxy keys`; issue 55)
 from rlproxy.cli import rollout as _rollout  # noqa: E402, F401  (registers `rlproxy rollout`; issue 28)
+from rlproxy.cli import settings_cmd as _settings_cmd  # noqa: E402, F401  (registers `rlproxy settings`)

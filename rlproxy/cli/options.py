@@ -10,6 +10,7 @@ missing database, bad SQL) ends with one `error: ...` line on stderr and exit 2 
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import types
@@ -32,8 +33,8 @@ from rlproxy.errors import RLProxyError
 from rlproxy.settings import Settings
 
 ENV_NOTE = escape(
-    "Options marked [env var: NAME] read NAME when not given; every other setting in the README's "
-    "table is read from its RLPROXY_* variable too. Options given on the command line win."
+    "Every setting is read from its RLPROXY_* variable when its option is not given (the command "
+    "line wins): `rlproxy settings` lists each with its variable and default (docs/configuration.md)."
 )
 
 
@@ -156,11 +157,16 @@ def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
             if p.name != "settings_given"
         ]
         taken = set(skip) | {p.name for p in own}
-        for p in own:  # what an explicit option sets (`db` sets db_url) is taken too
-            for meta in getattr(p.annotation, "__metadata__", ()):
+        for i, p in enumerate(own):  # what an explicit option sets (`db` sets db_url) is taken too
+            metas = list(getattr(p.annotation, "__metadata__", ()))
+            for j, meta in enumerate(metas):
                 envvar = getattr(meta, "envvar", None)
                 if isinstance(envvar, str) and envvar.startswith("RLPROXY_"):
                     taken.add(envvar.removeprefix("RLPROXY_").lower())
+                    metas[j] = copy.copy(meta)  # shared by other commands (DbOpt): a copy
+                    metas[j].show_envvar = False  # short --help: the epilog says it once; --help-all shows it
+            if metas:
+                own[i] = p.replace(annotation=Annotated[(p.annotation.__origin__, *metas)])
         extra = []
         for name, field in Settings.model_fields.items():
             kind = _option_type(field.annotation)
@@ -168,7 +174,10 @@ def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
                 continue
             decls = (f"--{name.replace('_', '-')}/--no-{name.replace('_', '-')}",) if kind is bool else ()
             option = setting(
-                name, *decls, rich_help_panel="Settings (each also read from its RLPROXY_* variable)"
+                name,
+                *decls,
+                rich_help_panel=f"Settings: {_group_of(name)}",
+                hidden=True,  # `--help-all` shows them (and `rlproxy settings`): --help stays short
             )
             default = field.default if field.default_factory is None else field.default_factory()
             extra.append(
@@ -180,10 +189,27 @@ def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
                 )
             )
         names = [p.name for p in extra]
+        extra.append(
+            inspect.Parameter(
+                "help_all",
+                inspect.Parameter.KEYWORD_ONLY,
+                default=False,
+                annotation=Annotated[
+                    bool,
+                    typer.Option(
+                        "--help-all",
+                        is_eager=True,
+                        callback=_help_all,
+                        help="every setting's option, by group",
+                    ),
+                ],
+            )
+        )
 
         @functools.wraps(fn)
         def command(*args: Any, **kwargs: Any) -> Any:
             ctx = get_current_context(silent=True)
+            kwargs.pop("help_all", None)
             given = {n: kwargs.pop(n) for n in names if n in kwargs}
             # only what the command line (or its variable) gave: a default is Settings' own business
             given = {
@@ -199,6 +225,24 @@ def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
         return command
 
     return wrap
+
+
+def _help_all(ctx: typer.Context, value: bool) -> None:
+    """`--help-all`: the help with every option shown, the hidden ones (settings by group) too."""
+    if not value or ctx.resilient_parsing:
+        return
+    for param in ctx.command.params:
+        param.hidden = False
+        param.show_envvar = bool(getattr(param, "envvar", None))
+    typer.echo(ctx.get_help())
+    raise typer.Exit()
+
+
+def _group_of(name: str) -> str:
+    """The title of the settings group that holds field `name` ("Trainer", "Store", ...)."""
+    from rlproxy.settings import GROUPS
+
+    return next((title for title, cls in GROUPS if name in cls.model_fields), "other")
 
 
 def setting_for_option(option: str) -> str | None:

@@ -248,7 +248,9 @@ def run_lines(run: dict[str, Any]) -> list[str]:
     added to the conversation (a call's request repeats the earlier ones; they are shown once)."""
     head = [
         f"run {run['id']}",
-        f"  status {run.get('status')}   reward {cell(run.get('reward')) or '-'}"
+        f"  status {run.get('status')}"
+        + (f" ({run['status_reason']})" if run.get("status_reason") else "")
+        + f"   reward {cell(run.get('reward')) or '-'}"
         f"   group {run.get('group_id')}   policy {run.get('policy')}",
         f"  created {run.get('created_at')}   rewarded {run.get('completed_at') or '-'}"
         f"   trained in step {run.get('trained_step') or '-'}",

@@ -111,9 +111,9 @@ async def serve(
     every address). Returns False when it never started (the lifespan failed; the log says why).
     """
     _raise_open_files(settings.max_connections + 256)  # each connection is a file descriptor
-    application = build_readonly_app(settings) if readonly else build_app(settings)
+    application = _StartupError(build_readonly_app(settings) if readonly else build_app(settings))
     config = http_server.config(application, settings, access_log=access_log, log_level=log_level)
-    server = uvicorn.Server(config)
+    server = _Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
@@ -122,7 +122,64 @@ async def serve(
         host = settings.host if settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
         on_ready(f"http://{host}:{port}")
     await task
+    if application.error is not None:  # the command line says it in one line (cli/options.py)
+        raise StartupFailed(application.error) from application.error
     return bool(server.started)
+
+
+class StartupFailed(Exception):
+    """`serve` never started: the lifespan raised `cause` (a model, a database, a port...)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class _StartupError:
+    """The app, keeping the exception its lifespan raised on start instead of letting uvicorn log
+    its traceback (Starlette sends it as the failure message); `serve` raises it afterwards."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.error = app, None
+        self.state = getattr(app, "state", None)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def quiet_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "lifespan.startup.complete"
+            if message["type"] == "lifespan.startup.failed":
+                message = {"type": message["type"], "message": ""}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, quiet_send)
+        except Exception as exc:
+            if started:
+                raise
+            self.error = exc
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose failed start ends `serve()` quietly instead of `sys.exit(3)` inside a
+    task (which asyncio reports as "Task exception was never retrieved ... SystemExit: 3")."""
+
+    async def startup(self, sockets: Any = None) -> None:
+        said = logging.getLogger("uvicorn.error")
+        said.addFilter(_no_exiting)  # "Application startup failed. Exiting.": serve says why instead
+        try:
+            await super().startup(sockets=sockets)
+        except SystemExit:
+            self.should_exit = True
+        finally:
+            said.removeFilter(_no_exiting)
+
+
+def _no_exiting(record: logging.LogRecord) -> bool:
+    return record.getMessage() != "Application startup failed. Exiting."
 
 
 async def run_trainer(settings: Settings, ranks: Any = None) -> None:

@@ -26,7 +26,7 @@ from rlproxy.storage.models import RunStatus
 @runs_app.callback(epilog=ENV_NOTE)
 def runs(
     ctx: typer.Context,
-    db: DbOpt = field_default("db_url"),
+    db: DbOpt = None,
     status: Annotated[RunStatus | None, typer.Option(help="only runs with this status")] = None,
     limit: LimitOpt = 20,
     untagged: Annotated[
@@ -66,6 +66,9 @@ def runs(
 
     found, n_untagged = _read(db, both)
     cols = ["id", "group_id", "policy", "status", "reward", "n_completions", "trained_step", "created_at"]
+    for r in found:  # why a run was skipped or failed (zero_variance, ...), as SQL's status_reason says
+        if r.get("status_reason"):
+            r["status"] = f"{r['status']} ({r['status_reason']})"
     print_table(cols, [[r.get(c) for c in cols] for r in found])
     if n_untagged:
         typer.echo(
@@ -77,7 +80,7 @@ def runs(
 @runs_app.command("show", epilog=ENV_NOTE)
 def runs_show(
     run_id: Annotated[str, typer.Argument(metavar="ID", help="the run's X-Run-Id")],
-    db: DbOpt = field_default("db_url"),
+    db: DbOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="the run as one JSON object")] = False,
 ) -> None:
     """One run in full: its conversation, tool calls, token counts per completion, reward, status."""
@@ -96,7 +99,7 @@ def runs_show(
 
 @app.command(epilog=ENV_NOTE)
 def steps(
-    db: DbOpt = field_default("db_url"),
+    db: DbOpt = None,
     policy: Annotated[str | None, typer.Option(help="only this policy's steps")] = None,
     limit: LimitOpt = 20,
     json_out: Annotated[bool, typer.Option("--json", help="JSON lines, every column")] = False,
@@ -128,7 +131,7 @@ def sql(
     query: Annotated[
         str | None, typer.Argument(help="the SQL to run (read-only); `-` or none: read it from stdin")
     ] = None,
-    db: DbOpt = field_default("db_url"),
+    db: DbOpt = None,
     file: Annotated[Path | None, typer.Option("--file", "-f", help="read the SQL from this file")] = None,
     json_lines: Annotated[
         bool, typer.Option("--json", help="JSON lines; JSON columns nested, numbers exact")
@@ -175,7 +178,7 @@ def export(
             metavar="SQL", help='SQL condition over the trajectories view, e.g. "reward IS NOT NULL"'
         ),
     ] = None,
-    db: DbOpt = field_default("db_url"),
+    db: DbOpt = None,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
 ) -> None:
     """Write runs as training data: OpenAI chat messages, reward, token ids and logprobs per call."""

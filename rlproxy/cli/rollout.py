@@ -17,7 +17,7 @@ import typer
 
 from rlproxy.cli.main import DbOpt, make_settings
 from rlproxy.cli.main import app as main_app
-from rlproxy.cli.options import ENV_NOTE, field_default
+from rlproxy.cli.options import ENV_NOTE
 from rlproxy.cli.output import print_table
 from rlproxy.storage import db as dbm
 from rlproxy.storage import queries
@@ -58,7 +58,7 @@ async def _with_engine(db: str, fn: Any, *, readonly: bool) -> Any:
 
 @app.command("status", epilog=ENV_NOTE)
 def status(
-    db: DbOpt = field_default("db_url"),
+    db: DbOpt = None,
     policy: PolicyOpt = None,
     limit: Annotated[int, typer.Option(min=1, max=1000, help="rows to show (1-1000)")] = 10,
 ) -> None:
@@ -109,16 +109,12 @@ def _decide(db: str, policy: str | None, decision: str, reason: str) -> None:
 
 
 @app.command("promote", epilog=ENV_NOTE)
-def promote(
-    db: DbOpt = field_default("db_url"), policy: PolicyOpt = None, reason: ReasonOpt = "promoted by hand"
-) -> None:
+def promote(db: DbOpt = None, policy: PolicyOpt = None, reason: ReasonOpt = "promoted by hand") -> None:
     """Promote the open canary's candidate: it serves every run from now on."""
     _decide(db, policy, "promote", reason)
 
 
 @app.command("rollback", epilog=ENV_NOTE)
-def rollback(
-    db: DbOpt = field_default("db_url"), policy: PolicyOpt = None, reason: ReasonOpt = "rolled back by hand"
-) -> None:
+def rollback(db: DbOpt = None, policy: PolicyOpt = None, reason: ReasonOpt = "rolled back by hand") -> None:
     """Roll the open canary's candidate back: never served again; training resumes from the incumbent."""
     _decide(db, policy, "rollback", reason)

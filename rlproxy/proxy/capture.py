@@ -66,15 +66,14 @@ def _choice_logprobs(choice: dict, endpoint: str) -> list | None:
 
 
 def strip(obj: dict, inj: Injected) -> None:
-    """Set the injected fields of a response or stream chunk back to null (in place)."""
-    if inj.token_ids and "prompt_token_ids" in obj:
-        obj["prompt_token_ids"] = None
+    """Take the injected fields out of a response or stream chunk (in place): token ids are not
+    OpenAI's fields, so their keys go; `logprobs` is, and is null when not asked for."""
+    if inj.token_ids:
+        obj.pop("prompt_token_ids", None)
     for choice in obj.get("choices") or ():
         if inj.token_ids:
-            if "token_ids" in choice:
-                choice["token_ids"] = None
-            if "prompt_token_ids" in choice:
-                choice["prompt_token_ids"] = None
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
         if inj.logprobs and "logprobs" in choice:
             choice["logprobs"] = None
 
@@ -237,8 +236,8 @@ class StreamAssembler:
         self._keep_entries = not inj.logprobs  # the client asked for logprobs: rebuild them
 
     def feed(self, chunk: dict, strip: bool = False) -> bool:
-        """Fold one parsed `data:` chunk in. With `strip`, also set the injected fields of `chunk`
-        back to null (in place, as `strip()` does) and say whether the chunk is left empty: it
+        """Fold one parsed `data:` chunk in. With `strip`, also take the injected fields out of
+        `chunk` (in place, as `strip()` does) and say whether the chunk is left empty: it
         carried only the injected fields, so the upstream would not have sent it at all (vLLM and
         the embedded engine emit a chunk per sampled token when token ids or logprobs are asked
         for, even one that adds no text, `"delta": {}`; without them they skip it). The client's
@@ -255,11 +254,10 @@ class StreamAssembler:
         strip_ids = strip and self.inj.token_ids
         strip_lp = strip and self.inj.logprobs
         p = get("prompt_token_ids")
-        if p is not None:
-            if _ints(p):
-                self.prompt_token_ids = p
-            if strip_ids:
-                chunk["prompt_token_ids"] = None
+        if p is not None and _ints(p):
+            self.prompt_token_ids = p
+        if strip_ids:
+            chunk.pop("prompt_token_ids", None)
         usage = get("usage")
         if usage:
             if type(usage) is dict:
@@ -285,11 +283,10 @@ class StreamAssembler:
             if ch is None:
                 ch = self.choices[idx] = _Choice(idx)
             p = cg("prompt_token_ids")
-            if p is not None:
-                if ch.prompt_token_ids is None and _ints(p):
-                    ch.prompt_token_ids = p
-                if strip_ids:
-                    c["prompt_token_ids"] = None
+            if p is not None and ch.prompt_token_ids is None and _ints(p):
+                ch.prompt_token_ids = p
+            if strip_ids:
+                c.pop("prompt_token_ids", None)
             ids = cg("token_ids")
             if ids is not None:
                 if ids:
@@ -298,10 +295,10 @@ class StreamAssembler:
                         self.got_token = True
                     else:
                         self.malformed = True
-                if strip_ids:
-                    c["token_ids"] = None
-                else:
+                if not strip_ids:
                     empty = False
+            if strip_ids:
+                c.pop("token_ids", None)
             lp = cg("logprobs")
             if lp is not None:
                 if lp and type(lp) is dict:

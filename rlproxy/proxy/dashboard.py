@@ -114,9 +114,9 @@ def step_charts() -> list[dict[str, Any]]:
 router = APIRouter(tags=["dashboard"])
 
 
-@router.get("/", include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def index() -> FileResponse:
-    """The dashboard page."""
+    """The dashboard page (HEAD too: Claude Code's first request checks the server is there)."""
     return FileResponse(
         STATIC_DIR / "index.html", media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS
     )

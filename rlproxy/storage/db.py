@@ -427,6 +427,38 @@ def _in_thread(fn: Any, *args: Any) -> None:
         ex.submit(fn, *args).result()
 
 
+async def check_store(url: str, timeout: float = 10.0) -> None:
+    """Raise a one-line StorageError when `url` names no store rlproxy can open: not a database URL,
+    a database other than SQLite or PostgreSQL, a SQLite file in a folder that does not exist, a
+    PostgreSQL server that does not answer within `timeout` seconds. Nothing is created."""
+    try:
+        u = make_url(normalize_url(url))
+    except Exception:
+        raise StorageError(f"not a database URL: {url!r} (a SQLite file path, or postgresql://...)") from None
+    backend = u.get_backend_name()
+    if backend == "sqlite":
+        path = sqlite_path(str(u))
+        if path is not None and not Path(path).parent.is_dir():
+            raise StorageError(f"no folder {Path(path).parent} for the database file {path}")
+        return
+    if backend != "postgresql":
+        raise StorageError(
+            f"unsupported database {backend!r} in {_redact(url)}: use a SQLite file path or postgresql://..."
+        )
+    engine = create_async_engine(str(u), connect_args={"timeout": timeout})
+    try:
+        async with asyncio.timeout(timeout + 1):
+            async with engine.connect():
+                pass
+    except Exception as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        raise StorageError(
+            f"cannot reach the database {_redact(url)}: {reason[0] if reason else type(exc).__name__}"
+        ) from None
+    finally:
+        await engine.dispose()
+
+
 def _redact(url: str) -> str:
     try:
         return make_url(normalize_url(url)).render_as_string(hide_password=True)

@@ -76,5 +76,5 @@ def test_flags_show_no_bool_type(monkeypatch):
     import typer.rich_utils
 
     monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", 1000)
-    text = runner.invoke(main.app, ["serve", "--help"]).output
+    text = runner.invoke(main.app, ["serve", "--help-all"]).output
     assert "<bool>" not in text and "--learning-rate" in text and "RLPROXY_REPORT_TO" in text

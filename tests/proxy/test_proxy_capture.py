@@ -37,8 +37,8 @@ def test_from_response_captures_then_strips_to_nulls():
     cap = capture.from_response(resp, Endpoint.CHAT, capture.Injected(True, True))
     assert cap.prompt_token_ids == [1, 2] and cap.token_ids == [[5, 6]] and cap.logprobs == [[-0.1, -0.2]]
     assert cap.finish_reason == "stop" and cap.completion_tokens == 2
-    assert resp["prompt_token_ids"] is None
-    assert resp["choices"][0]["token_ids"] is None and resp["choices"][0]["logprobs"] is None
+    assert "prompt_token_ids" not in resp  # not OpenAI's fields: gone, not null (issue 56)
+    assert "token_ids" not in resp["choices"][0] and resp["choices"][0]["logprobs"] is None
     assert resp["choices"][0]["message"] == {"content": "ab"}
 
 

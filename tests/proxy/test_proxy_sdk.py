@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -64,8 +65,8 @@ def test_sync_chat_matches_direct_and_stores_tokens(engine_proxy, engine_backend
     assert _norm(got.model_dump()) == _norm(direct.model_dump())
     # the capture fields the proxy injected are not leaked to the client
     raw = json.loads(via.http_response.text)
-    assert raw.get("prompt_token_ids") is None
-    assert raw["choices"][0].get("token_ids") is None and raw["choices"][0]["logprobs"] is None
+    assert "token_ids" not in via.http_response.text  # no `"token_ids": null` either (issue 56)
+    assert raw["choices"][0]["logprobs"] is None
 
     rows = engine_proxy.query(
         "SELECT token_ids, prompt_token_ids, logprobs, status, seq, adapter, policy_step FROM completions"
@@ -191,3 +192,12 @@ def test_no_run_key_is_stored_with_null_run(engine_proxy):
     _client(engine_proxy.url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
     assert engine_proxy.query("SELECT count(*) FROM completions WHERE run_id IS NULL") == [(1,)]
     assert engine_proxy.query("SELECT count(*) FROM runs") == [(0,)]
+
+
+def test_stream_chunks_carry_no_token_id_keys(engine_proxy):
+    """The raw SSE bytes: the injected token ids are taken out of every chunk, keys and all."""
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{engine_proxy.url}/v1/chat/completions", json=body, timeout=60) as r:
+        raw = r.read()
+    assert r.status_code == 200 and raw.count(b"data: ") > 2
+    assert b"token_ids" not in raw

@@ -1,0 +1,47 @@
+"""demo/pace.py: a demo on a busy machine extends its time once, up to the ceiling, and when it
+still falls short says why (its CPU share, the groups skipped and their reason) and what next;
+a quiet machine never extends (issue 56: `make demo` with two busy loops missed its goal silently)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from rlproxy.demo.pace import CEILING_MINUTES, CpuShare, extend_to, shortfall
+
+
+def test_only_a_busy_machine_extends_and_only_to_the_ceiling():
+    quiet = {"share": 0.97, "others_cores": 0.1, "cores": 2.0}
+    busy = {"share": 0.55, "others_cores": 1.8, "cores": 2.0}
+    assert extend_to(10.0, quiet) is None  # the quiet-box demo is unchanged
+    assert extend_to(10.0, busy) == CEILING_MINUTES == 15.0
+    assert extend_to(CEILING_MINUTES, busy) is None  # once, never past the ceiling
+
+
+def test_the_shortfall_says_why_and_what_next():
+    rows = [{"status": "trained"}] * 5 + [{"status": "skipped", "reason": "zero_variance"}] * 3
+    summary = {"minutes": 15.0, "improvement": 0.28, "rows": rows}
+    summary["cpu"] = {"share": 0.61, "others_cores": 1.6, "cores": 2.0}
+    text = shortfall(summary, 0.5)
+    assert "not reached in 15.0 min (+0.280" in text
+    assert "the demo got 61% of the CPU" in text and "1.6 of 2 cores" in text
+    assert "3 of 8 groups not trained (zero_variance): every episode of the group got the same reward" in text
+    assert "stop the other work" in text
+    summary["cpu"] = {"share": 0.98, "others_cores": 0.0, "cores": 2.0}
+    assert "--minutes 20" in shortfall(summary, 0.5) and "stop the other work" not in shortfall(summary, 0.5)
+
+
+def test_cpu_share_sees_a_busy_loop_beside_it():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # another process's work
+    try:
+        share = CpuShare(child.pid)
+        time.sleep(1.5)
+        seen = share.read()
+    finally:
+        busy.kill()
+        child.kill()
+    assert seen["others_cores"] >= 0.5, seen  # the loop kept about a core busy
+    assert 0.0 <= seen["share"] <= 0.5 and seen["cores"] == float(os.cpu_count() or 1)
