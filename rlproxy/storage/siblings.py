@@ -3,7 +3,8 @@
 A sibling group (docs/siblings.md) is K answers to one stored prompt from one policy step: the
 app's own answer (when its step was still loaded: `with_original`) and the proxy's samples. Its
 members are ordinary `runs` rows (`group_id` = `sibling_groups.id`, `branch_of` = the call's
-`completions.id`, split `train`), each with ONE completion that a trainer reads like a one-call run:
+`completions.id`, split `train`; ids `sib-<id>:<i>`, a keyed call's in its key's namespace:
+`<key id>~sib-<id>:<i>`), each with ONE completion that a trainer reads like a one-call run:
 the exact prompt ids, the sampled ids and logprobs, and the request body that sampled them (a
 `/v1/completions` body holding its temperature/top_p/max_tokens, so `batches.sampling_temperature`
 reads it like any call's). The app's answer is a copy of its completion (its own request, response
@@ -288,7 +289,7 @@ async def create_group(
     comps: list[dict[str, Any]] = []
 
     def add(i: int, original: bool, completion: dict[str, Any]) -> None:
-        rid = f"{group_id}:{i}"
+        rid = f"{group_id}:{i}" if call.key_id is None else f"{call.key_id}~{group_id}:{i}"  # the key's ids
         runs.append(
             {
                 "id": rid,

@@ -305,7 +305,9 @@ class UrlScorer:
         url = req.scorer_url or self.url
         if not url:
             raise ScorerError("no scorer url: set scorer_url")
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # scorer_api_key is the operator's secret for scorer_url: never sent to a key's own scorer
+        own = req.scorer_url is not None
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key and not own else {}
         try:
             async with asyncio.timeout(self.timeout):  # the whole call, a trickled answer included
                 status, raw = await self._post(url, wire_body(req), headers)

@@ -46,17 +46,17 @@ def _error_line(out: subprocess.CompletedProcess) -> str:
         (["--model", "nonexistent-model"], {}, "unknown model 'nonexistent-model'"),
         (["--model", "tiny", "--db", "foo://bar"], {}, "unsupported database 'foo'"),
         (["--model", "tiny", "--db", "postgresql://u:secret@127.0.0.1:{port}/x"], {}, "cannot reach"),
-        (["--model", "tiny", "--db", "/nonexistent-folder/x.db"], {}, "no folder /nonexistent-folder"),
+        (["--model", "tiny", "--db", "{tmp}/missing/x.db"], {}, "no folder {tmp}/missing for the database"),
         (["--model", "tiny"], {"RLPROXY_LEARNING_RATE": "-1"}, "learning_rate (RLPROXY_LEARNING_RATE)"),
         (["--model", "tiny", "--group-size", "0"], {}, "--group-size"),
     ],
     ids=["model", "db-scheme", "pg-unreachable", "db-folder", "setting-env", "setting-flag"],
 )
 def test_a_start_up_mistake_is_one_line_before_anything_is_made(tmp_path, args, env, said):
-    args = [a.replace("{port}", str(_free_port())) for a in args]
+    args = [a.replace("{port}", str(_free_port())).replace("{tmp}", str(tmp_path)) for a in args]
     out = _serve(tmp_path, *args, env=env)
     line = _error_line(out)
-    assert said in line, line
+    assert said.replace("{tmp}", str(tmp_path)) in line, line
     assert out.stdout + out.stderr == line + "\n", "only the error line"
     assert "secret" not in line  # a password in the URL is not printed
     assert list(tmp_path.iterdir()) == []  # nothing created in the folder it was started in
