@@ -621,12 +621,12 @@ def demo(
     ] = None,
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
-    import signal
+    import signal as signals  # `signal` is the --signal option here
 
     from rlproxy.demo.run import TASKS, run_demo  # lazy: the demo and its clients
 
     _logging("warning")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped as by Ctrl-C: serve stopped too
+    signals.signal(signals.SIGTERM, signals.default_int_handler)  # stopped as by Ctrl-C: serve stopped too
     if teacher_episodes is not None and not teacher:
         raise typer.BadParameter("--teacher-episodes is the distill demo's: add --teacher")
     signal_options = (signal, siblings, scorer, shadow, rung_minutes)

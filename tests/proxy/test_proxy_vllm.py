@@ -17,10 +17,17 @@ MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
 def _without_ids(obj):
+    """Without what differs by design: the reply id and time, and the `token_ids` / `prompt_token_ids`
+    keys vLLM writes as null when not asked for them (the proxy asks, then leaves them out: an
+    answer carries no non-standard field the client did not ask for)."""
     if isinstance(obj, list):
         return [_without_ids(x) for x in obj]
     if isinstance(obj, dict):
-        return {k: _without_ids(v) for k, v in obj.items() if k not in ("id", "created")}
+        return {
+            k: _without_ids(v)
+            for k, v in obj.items()
+            if k not in ("id", "created") and not (k in ("token_ids", "prompt_token_ids") and v is None)
+        }
     return obj
 
 
