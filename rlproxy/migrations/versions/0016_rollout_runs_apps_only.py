@@ -43,28 +43,6 @@ FROM (
 WHERE step = last_step AND step IN (candidate_step, incumbent_step)
 """
 
-OLD_VIEW = """
-CREATE VIEW rollout_runs AS
-SELECT rollout_id, policy,
-    CASE WHEN step = candidate_step THEN 'candidate' ELSE 'incumbent' END AS arm,
-    step, run_id, group_id, reward, status, errored, created_at, completed_at
-FROM (
-    SELECT ro.id AS rollout_id, ro.policy AS policy, ro.candidate_step AS candidate_step,
-        ro.incumbent_step AS incumbent_step, r.id AS run_id, r.group_id AS group_id,
-        r.reward AS reward, r.status AS status, r.created_at AS created_at,
-        r.completed_at AS completed_at,
-        (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
-        (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
-        CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
-            AND (c.status_code >= 500 OR c.finish_reason = 'length'
-                OR CAST(c.response AS TEXT) LIKE '%<tool_call>%')) THEN 1 ELSE 0 END AS errored
-    FROM rollouts ro
-    JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
-        AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
-) AS a
-WHERE step = last_step AND step IN (candidate_step, incumbent_step)
-"""
-
 
 def upgrade() -> None:
     op.execute("DROP VIEW IF EXISTS rollout_runs")
@@ -72,5 +50,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    from importlib import import_module  # a module name that starts with a digit
+
     op.execute("DROP VIEW IF EXISTS rollout_runs")
-    op.execute(OLD_VIEW)
+    op.execute(import_module("rlproxy.migrations.versions.0013_rollouts").ROLLOUT_RUNS_VIEW)
