@@ -269,7 +269,7 @@ async def apply_reward(
         row = None if row is None else _RewardRow(*row)
     else:
         row = (await conn.execute(_REWARD_READ, {"run": run_id})).first()
-    if row is None:
+    if row is None or row.branch_of is not None:  # a sibling member is the proxy's, scored by its scorer
         return RunNotFound(run_id)
     judged = row.reward_source == "judge"
     val = split == "val" or row.split == "val"
@@ -331,6 +331,7 @@ _REWARD_READ = (
         RUNS.c.split,
         RUNS.c.policy,
         RUNS.c.group_id,
+        RUNS.c.branch_of,
     )
     .where(RUNS.c.id == bindparam("run"))
     .with_for_update(key_share=True)

@@ -7,11 +7,13 @@ import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 from storage.test_writer import rec, rows
 
 from rlproxy.storage import siblings
+from rlproxy.storage.errors import RunNotFound
 from rlproxy.storage.judging import judge_groups
 from rlproxy.storage.models import Run, RunStatus
 from rlproxy.storage.records import CompletionRecord
@@ -99,6 +101,14 @@ async def test_group_is_written_once_and_trains_like_one_call_runs(engine: Async
     n = await siblings.store_scores(engine, "sg-1", {"sg-1:0": 1.0, "sg-1:1": 0.0, "sg-1:2": 0.5}, "checks")
     assert n == 3
     assert await siblings.scoring_groups(engine) == []
+    # an app cannot reward a member: it is the proxy's run, as unknown to the app as an unused id
+    w = Writer(engine, flush_interval=0.01)
+    await w.start()
+    for member in ("sg-1:0", "sg-1:1"):
+        with pytest.raises(RunNotFound):
+            await w.reward(member, 0.25)
+    await w.close()
+    assert await rows(engine, "SELECT reward FROM runs WHERE id = 'sg-1:1'") == [(0.0,)]
     # ready at once, whatever group_size: all its members are in
     (g,) = await ready_groups(engine, group_size=8, group_timeout=600)
     assert g.group_id == "sg-1" and g.sources == ["sibling"] * 3 and sorted(g.rewards) == [0.0, 0.5, 1.0]
