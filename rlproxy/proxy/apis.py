@@ -1,25 +1,17 @@
-"""The wire APIs the hot path serves, one row each: everything that differs between them is here.
+"""The wire APIs the hot path serves, one row each (`APIS`): all that differs between them is here.
 
-    row          route (POST)           upstream asked on     translation          errors     key header
-    chat         v1/chat/completions    v1/chat/completions   (none: as it came)   OpenAI's   Authorization
-    completions  v1/completions         v1/completions        (none)               OpenAI's   Authorization
-    responses    v1/responses           v1/chat/completions   proxy/responses.py   OpenAI's   Authorization
-    messages     v1/messages            v1/chat/completions   proxy/messages.py    Anthropic  x-api-key too
+Read by `routes_openai` (`ROUTES`, `route`: which row a POST path is, also under `/runs/{run_id}/`;
+`complete` reads its fields; the pass-through its `side` routes), `guard.Guard` (`KEY_HEADERS`),
+`ProxyState.drop_headers` (`DROP`) and `ErrorShapes` (a row's error shape on its paths).
 
-Read by `routes_openai` (`ROUTES` and `route`: which row a POST path is, also under
-`/runs/{run_id}/`; `complete` reads the row's fields), its pass-through (`side`: an API's other
-routes below its path), `guard.Guard` (`KEY_HEADERS`), `ProxyState.drop_headers` (`DROP`) and
-`ErrorShapes` (an API's error shape on its paths, the guard's and the limits' refusals included).
-
-A translation module gives `prepare(px, scope, body)` -> a call: `.chat` (the chat-completions body
-that is forwarded, captured and stored as `request`), `.body` (the client's, stored as
-`client_request`), `.run_id` (a run it continues, or None), `.response_id` and `.store` (the id a
-later request may name), `.answer(chat)` (the client's answer for a chat completion) and
-`.events(model)` (a `stream.EventStream` over its wire/ events: `start`, `feed`, `finish`, `fail`,
-`response`). Its pure translation functions live in `wire/`. Gemini's `generateContent`, on paper:
-`WireAPI("gemini", "v1beta/models/", errors=gemini.error, key_header=b"x-goog-api-key", query=False)`
-(a route ending in "/" is a prefix: its `prepare` reads the model and `:streamGenerateContent` from
-`scope["path"]`), with `proxy/gemini.py` and `wire/gemini.py` beside it; nothing else changes.
+A translated API's `prepare(px, scope, body)` gives a call: `.chat` (the chat body forwarded,
+captured and stored as `request`), `.body` (stored as `client_request`), `.run_id` (a run it
+continues, or None), `.response_id`/`.store` (an id a later request may name), `.answer(chat)` and
+`.events(model)` (a `stream.EventStream` over its wire/ translator); see `proxy/responses.py`.
+Adding one (Gemini's `generateContent`, on paper): `wire/gemini.py` (pure translations), its
+`proxy/gemini.py` (`prepare` reading the model and `:streamGenerateContent` from `scope["path"]`,
+`error`), and `WireAPI("gemini", "v1beta/models/", errors=gemini.error, key_header=b"x-goog-api-key",
+query=False, prepare=gemini.prepare)` here; the hot path's body does not change.
 """
 
 from __future__ import annotations

@@ -143,20 +143,20 @@ async def complete(px, scope, receive, api: WireAPI, path_run_id: str | None) ->
         px.keys.enter(key, policy, body.get("model"), upstream_body if text_only is None else None, stream)
     elif px.keys.any and text_only is None:  # apps have keys: a client never picks another's salt
         upstream_body.pop("cache_salt", None)
-    rec = CompletionRecord(
+    rec = CompletionRecord(  # the run, whose key; the policy, where it is served; the API, the bodies
         run_id=run_id,
         group_id=group_id,
         split=split,
+        key_id=key.id if key is not None else None,
         policy=policy,
         adapter=upstream_model,
         policy_step=step,
+        source=hosted.HOSTED if text_only is not None else None,
         endpoint=api.name,
         stream=stream,
         request=body,
-        created_at=created_at,
         client_request=call.body if call is not None else None,
-        source=hosted.HOSTED if text_only is not None else None,
-        key_id=key.id if key is not None else None,
+        created_at=created_at,
     )
     if run_id is not None:
         px.inflight.enter(run_id)
