@@ -16,6 +16,7 @@ integers or dropped (`records.as_count`). The stream assembler skips what it can
 
 Streams are assembled chunk by chunk into the non-streaming shape for the store (text, tool-call
 deltas, token ids, logprobs, finish reason, usage), while the chunks themselves go on to the client.
+(Over 400 lines: the shape check, the strip and the stream fold read one shape, so they stay together.)
 """
 
 from __future__ import annotations
