@@ -67,11 +67,11 @@ STREAM = [
 ]
 ROUTE = {
     "chat": [],
-    "responses": ["rlproxy.proxy.responses:Call.answer", "rlproxy.proxy.responses:EventStream.chunk"],
+    "responses": ["rlproxy.proxy.responses:Call.answer", "rlproxy.proxy.stream:EventStream.chunk"],
     "messages": [
         "rlproxy.proxy.messages:prepare",
         "rlproxy.proxy.messages:Call.answer",
-        "rlproxy.proxy.messages:EventStream.chunk",
+        "rlproxy.proxy.stream:EventStream.chunk",
     ],
 }
 

@@ -13,7 +13,7 @@ lifespan (`proxy/app.py`): they live exactly as long as the server does.
 
 A request goes through the ASGI stack from the outside in:
 
-    AnthropicErrors  error answers in Anthropic's shape on /v1/messages    proxy/messages.py
+    ErrorShapes  error answers in a wire API's shape (Anthropic's)      proxy/apis.py
     Limits   body size on every route, requests in flight              proxy/limits.py
     Guard    canonical path, Host, Origin, keys, content type           proxy/guard.py
     HotPath  the completion routes, forwarded and captured              proxy/routes_openai.py
@@ -47,13 +47,13 @@ from rlproxy.proxy import (
     routes_untagged,
     rules,
 )
+from rlproxy.proxy.apis import ErrorShapes
 from rlproxy.proxy.app import ProxyState, create_app
 from rlproxy.proxy.auth import Principals
 from rlproxy.proxy.gate import TrainGate
 from rlproxy.proxy.guard import Guard, allowed_host_names, is_loopback
 from rlproxy.proxy.hosted import parse_hosted, provider_models
 from rlproxy.proxy.limits import Limits
-from rlproxy.proxy.messages import AnthropicErrors
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies, parse_model_map
 from rlproxy.proxy.rollout import RolloutService, Router
@@ -256,7 +256,7 @@ class InitAdapter:
         return None
 
 
-def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicErrors:
+def build_app(settings: Settings, backend: Backend | None = None) -> ErrorShapes:
     """The ASGI app `rlproxy serve` serves: backend, trainer and proxy, wired together.
 
     Its `.state.proxy` is the `ProxyState` every route shares (tests and tools read it there).
@@ -351,7 +351,7 @@ def build_app(settings: Settings, backend: Backend | None = None) -> AnthropicEr
     if siblings is not None:  # siblings wait (a while) while the app has requests in flight
         siblings.budget.app_busy = lambda: limits.in_flight > 0
     # the Messages routes answer errors in Anthropic's shape, refusals included
-    asgi = AnthropicErrors(limits)
+    asgi = ErrorShapes(limits)
     asgi.state = api.state  # type: ignore[attr-defined]  # the routes' shared state: `.state.proxy`
     return asgi
 

@@ -8,6 +8,7 @@ model code or reads a request.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,11 +17,20 @@ from rlproxy.errors import APIError
 from rlproxy.inference.generation import Choice, Generation, chat_logprobs, completion_logprobs
 from rlproxy.inference.protocol import ChatBody, CompletionBody
 from rlproxy.inference.tools import ToolStream, parse_tool_calls
-from rlproxy.wire import message_events as anthropic_events
+from rlproxy.wire.message_events import MessageEvents
 from rlproxy.wire.response_events import ResponseEvents
 from rlproxy.wire.responses import conversation
-from rlproxy.wire.sse import data_text as _sse
-from rlproxy.wire.sse import event_text as _event
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    """`data: <json>` (an untyped chunk: chat and text completions)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _event(event: dict[str, Any]) -> str:
+    """`event: <type>` + `data: <json>` (a typed event: Responses, Messages)."""
+    return f"event: {event['type']}\n{_sse(event)}"
+
 
 # ---------------------------------------------------------------------------------------------
 # Chat completions: one body, or chunks
@@ -162,18 +172,19 @@ async def completion_stream(
 
 
 # ---------------------------------------------------------------------------------------------
-# Responses: events over the chat chunks, and the store of earlier responses
+# Responses and Messages: events over the chat chunks, and the store of earlier responses
 
 
-async def response_stream(
+async def event_stream(
     tok: Any,
     gen: Generation,
     body: ChatBody,
     meta: dict[str, Any],
-    events: ResponseEvents,
-    store: ResponseStore | None,
+    events: ResponseEvents | MessageEvents,
+    store: ResponseStore | None = None,
 ) -> AsyncIterator[str]:
-    """Responses SSE (`event: <type>` + `data: <json>`) from the chat chunks; kept in `store` at the end."""
+    """Responses or Messages SSE from the chat chunks (`events`: the wire/ translator), ended by its
+    `fail` if the engine failed; a Responses answer is kept in `store` at the end."""
     message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": []}
     failed = False
     for event in events.start():
@@ -185,28 +196,12 @@ async def response_stream(
             failed = failed or choice["finish_reason"] == "error"
         for event in events.feed(chunk):
             yield _event(event)
-    if failed:
-        for event in events.fail("the engine failed while generating; see its log"):
-            yield _event(event)
-        return
-    for event in events.finish():
+    for event in (
+        events.fail("the engine failed while generating; see its log") if failed else events.finish()
+    ):
         yield _event(event)
-    if store is not None:
+    if store is not None and not failed:
         store.put(events.response, conversation({"messages": body.messages}, message))
-
-
-async def message_stream(
-    tok: Any, gen: Generation, body: ChatBody, meta: dict[str, Any], events: anthropic_events.MessageEvents
-) -> AsyncIterator[str]:
-    """Messages SSE (`event: <type>` + `data: <json>`) from the chat chunks; `error` if the engine failed."""
-    failed = False
-    async for chunk in chat_chunks(tok, gen, body, meta):
-        failed = failed or any(c["finish_reason"] == "error" for c in chunk["choices"])
-        for event in events.feed(chunk):
-            yield _event(event)
-    done = events.fail("the engine failed while generating; see its log") if failed else events.finish()
-    for event in done:
-        yield _event(event)
 
 
 class ResponseStore:

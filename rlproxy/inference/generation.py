@@ -53,12 +53,8 @@ class Generation:
         priority: int = 0,
         salt: str | None = None,
     ) -> None:
-        self.engine = engine
-        self.prompts = prompts
-        self.params = params
-        self.n = n
-        self.adapter = adapter
-        self.priority = priority
+        self.engine, self.prompts, self.params, self.n = engine, prompts, params, n
+        self.adapter, self.priority = adapter, priority
         self.salt = salt  # the prefix cache's isolation key (`cache_salt`)
         self.ids = [f"gen-{uuid.uuid4().hex}" for _ in prompts]
         self.choices = [Choice() for _ in range(len(prompts) * n)]

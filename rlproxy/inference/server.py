@@ -59,8 +59,7 @@ from rlproxy.inference.answers import (
     chat_stream,
     completion_result,
     completion_stream,
-    message_stream,
-    response_stream,
+    event_stream,
 )
 from rlproxy.inference.engine import Engine
 from rlproxy.inference.generation import Choice, Generation
@@ -258,7 +257,7 @@ async def responses(request: Request) -> Response:
     keep = body.get("store") is not False
     if chat_body.stream:
         events = ResponseEvents(body, model=meta["model"], **ids)
-        stream = response_stream(engine.tokenizer, gen, chat_body, meta, events, store if keep else None)
+        stream = event_stream(engine.tokenizer, gen, chat_body, meta, events, store if keep else None)
         return StreamingResponse(stream, media_type="text/event-stream")
     chat = {**meta, **chat_result(engine.tokenizer, gen, chat_body, await _finished(gen))}
     answer = response_object(body, chat, **ids)
@@ -296,7 +295,7 @@ async def messages(request: Request) -> Response:
     if chat_body.stream:
         events = anthropic_events.MessageEvents(message_id=message_id, model=meta["model"])
         return StreamingResponse(
-            message_stream(engine.tokenizer, gen, chat_body, meta, events), media_type="text/event-stream"
+            event_stream(engine.tokenizer, gen, chat_body, meta, events), media_type="text/event-stream"
         )
     try:
         chat = {**meta, **chat_result(engine.tokenizer, gen, chat_body, await _finished(gen))}

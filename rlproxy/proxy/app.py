@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.inference.backend import Backend
-from rlproxy.proxy import errors, hosted, upstreams
+from rlproxy.proxy import apis, errors, hosted, upstreams
 from rlproxy.proxy.forward import Upstream
 from rlproxy.proxy.gate import TrainGate
 from rlproxy.proxy.inflight import InFlight
@@ -54,7 +54,7 @@ class ProxyState:
     upstream: Upstream | Upstreams = None  # type: ignore[assignment]  # one replica, or several
     # request headers never forwarded: the client's key is ours, not the upstream's (which
     # forward.Upstream sends itself: the backend's `api_key`)
-    drop_headers: frozenset[bytes] = frozenset({b"authorization", b"x-api-key"})
+    drop_headers: frozenset[bytes] = apis.DROP
     services: tuple = ()  # started after the backend, stopped before it (the trainer)
     runs: object = None  # proxy.runstate.RunState: which runs are closed (issue 22)
     busy: Callable[[], bool] = lambda: True  # requests coming? (`Limits.busy`): the loop-lag sampler's pace

@@ -16,13 +16,14 @@ integers or dropped (`records.as_count`). The stream assembler skips what it can
 
 Streams are assembled chunk by chunk into the non-streaming shape for the store (text, tool-call
 deltas, token ids, logprobs, finish reason, usage), while the chunks themselves go on to the client.
+(Over 400 lines: the shape check, the strip and the stream fold read one shape, so they stay together.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlproxy.storage.records import Endpoint, as_count
+from rlproxy.storage.records import CompletionRecord, Endpoint, as_count
 
 CHAT = Endpoint.CHAT  # a module global: compared on every stream chunk
 
@@ -78,17 +79,7 @@ def strip(obj: dict, inj: Injected) -> None:
             choice["logprobs"] = None
 
 
-@dataclass(slots=True)
-class Captured:
-    """What the store keeps of one response, besides the request."""
-
-    response: dict | None = None
-    prompt_token_ids: list | None = None
-    token_ids: list | None = None
-    logprobs: list | None = None
-    finish_reason: str | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
+Captured = CompletionRecord  # what capture fills in: response, token ids, logprobs, finish, counts
 
 
 def choice_prompts(top: list | None, per_choice: list[list | None]) -> list | None:
@@ -185,20 +176,22 @@ def coerce_usage(resp: dict) -> None:
                 usage[k] = as_count(usage[k])
 
 
-def from_response(resp: dict, endpoint: str, inj: Injected) -> Captured:
-    """Capture a non-streaming response, then strip it for the client (in place: it is also stored)."""
+def from_response(resp: dict, endpoint: str, inj: Injected, cap: Captured | None = None) -> Captured:
+    """Capture a non-streaming response into `cap` (a new record if None), then strip it for the
+    client (in place: it is also stored)."""
     choices = resp.get("choices") or []
-    prompt_ids = choice_prompts(resp.get("prompt_token_ids"), [c.get("prompt_token_ids") for c in choices])
-    cap = Captured(
-        prompt_token_ids=prompt_ids,
-        token_ids=[c.get("token_ids") for c in choices],
-        logprobs=[_choice_logprobs(c, endpoint) for c in choices],
-        finish_reason=choices[0].get("finish_reason") if choices else None,
+    token_ids = [c.get("token_ids") for c in choices]
+    logprobs = [_choice_logprobs(c, endpoint) for c in choices]
+    cap = cap if cap is not None else Captured(None)
+    cap.prompt_token_ids = choice_prompts(
+        resp.get("prompt_token_ids"), [c.get("prompt_token_ids") for c in choices]
     )
+    cap.token_ids, cap.logprobs = token_ids, logprobs
+    cap.finish_reason = choices[0].get("finish_reason") if choices else None
     usage = resp.get("usage")
-    if isinstance(usage, dict):
-        cap.prompt_tokens = as_count(usage.get("prompt_tokens"))
-        cap.completion_tokens = as_count(usage.get("completion_tokens"))
+    usage = usage if isinstance(usage, dict) else {}
+    cap.prompt_tokens = as_count(usage.get("prompt_tokens"))
+    cap.completion_tokens = as_count(usage.get("completion_tokens"))
     if inj.any:
         strip(resp, inj)
     cap.response = resp
@@ -389,8 +382,9 @@ class StreamAssembler:
                 slot["function"]["arguments"] += str(fn["arguments"])
             self.got_token = True
 
-    def result(self) -> Captured:
-        """The assembled response and capture fields (a partial one if the stream was cut)."""
+    def result(self, cap: Captured | None = None) -> Captured:
+        """The assembled response and capture fields (a partial one if the stream was cut), in `cap`
+        (a new record if None)."""
         chat = self.endpoint == CHAT
         choices = [self.choices[i] for i in sorted(self.choices)]
         out = []
@@ -426,13 +420,11 @@ class StreamAssembler:
         prompt_ids = choice_prompts(self.prompt_token_ids, [ch.prompt_token_ids for ch in choices])
         if not self.inj.token_ids and prompt_ids is not None:
             response["prompt_token_ids"] = prompt_ids
-        cap = Captured(
-            response=response,
-            prompt_token_ids=prompt_ids,
-            token_ids=[ch.token_ids for ch in choices],
-            logprobs=[ch.logprobs for ch in choices],
-            finish_reason=choices[0].finish_reason if choices else None,
-        )
+        cap = cap if cap is not None else Captured(None)
+        cap.response, cap.prompt_token_ids = response, prompt_ids
+        cap.token_ids = [ch.token_ids for ch in choices]
+        cap.logprobs = [ch.logprobs for ch in choices]
+        cap.finish_reason = choices[0].finish_reason if choices else None
         if self.usage:
             cap.prompt_tokens = as_count(self.usage.get("prompt_tokens"))
             cap.completion_tokens = as_count(self.usage.get("completion_tokens"))

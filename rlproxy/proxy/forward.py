@@ -200,6 +200,12 @@ class Upstream:
             trust_env=False,
         )
 
+    @classmethod
+    def of(cls, url: str, settings, api_key: str | None) -> Upstream:
+        """One for `url` with the settings' `upstream_*` timeouts and pool size."""
+        s = settings
+        return cls(url, s.upstream_timeout, s.upstream_idle_timeout, s.upstream_max_connections, api_key)
+
     async def post(
         self, path: bytes, headers: list, body: bytes, query: bytes, stream: bool, run_id: str | None = None
     ) -> http11.Response:

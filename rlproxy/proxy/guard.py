@@ -13,8 +13,9 @@ In this order, from one scan of the request headers (no body read, streams untou
    `Sec-Fetch-Site: cross-site` is refused. Configured origins get proper CORS answers (preflight
    and response headers) from Starlette's `CORSMiddleware`, which only such requests go through.
 4. Keys (401, 403): `auth.Principals` (agents', apps' and operators' keys), sent as `Authorization:
-   Bearer <key>` or, as Anthropic's SDKs do, `x-api-key: <key>` (used when there is no Authorization);
-   an app's key (proxy/keys.py) is left in the scope for the routes.
+   Bearer <key>` or in a wire API's own key header (`apis.KEY_HEADERS`: `x-api-key: <key>`, as
+   Anthropic's SDKs do), used when there is no Authorization; an app's key (proxy/keys.py) is left
+   in the scope for the routes.
 5. POST/PUT/PATCH need `Content-Type: application/json` (415 `unsupported_media_type`), so an
    HTML form or a `text/plain` fetch from a web page can never be served.
 
@@ -28,6 +29,7 @@ import logging
 
 from starlette.middleware.cors import CORSMiddleware
 
+from rlproxy.proxy.apis import KEY_HEADERS
 from rlproxy.proxy.auth import Principals, Refusal
 from rlproxy.proxy.errors import error_body, send_json
 from rlproxy.proxy.keys import SCOPE_KEY
@@ -124,20 +126,8 @@ class Guard:
         if problem is not None:
             await _refuse(send, 400, f"{problem}: {scope['path']!r}", "invalid_path")
             return
-        host = origin = site = ctype = authorization = api_key = None
-        for k, v in scope["headers"]:
-            if k == b"host":
-                host = v
-            elif k == b"authorization":
-                authorization = v
-            elif k == b"x-api-key":
-                api_key = v
-            elif k == b"content-type":
-                ctype = v
-            elif k == b"origin":
-                origin = v
-            elif k == b"sec-fetch-site":
-                site = v
+        seen = dict(scope["headers"])  # names are lower-case; the last of a repeated one counts
+        host, origin, authorization = seen.get(b"host"), seen.get(b"origin"), seen.get(b"authorization")
         if self.hosts is not None and (host is None or host_name(host) not in self.hosts):
             shown = host.decode("latin-1") if host is not None else "(none)"
             await _refuse(send, 421, f"Host {shown!r} is not served here (see allowed_hosts)", "invalid_host")
@@ -155,16 +145,16 @@ class Guard:
                     "cross_origin_refused",
                 )
                 return
-        elif site == b"cross-site":
+        elif seen.get(b"sec-fetch-site") == b"cross-site":
             await _refuse(send, 403, "cross-site browser request refused", "cross_origin_refused")
             return
         extra = ((b"access-control-allow-origin", origin), (b"vary", b"Origin")) if cors else ()
         method = scope["method"]
-        if cors and method == "OPTIONS" and _is_preflight(scope["headers"]):
+        if cors and method == "OPTIONS" and b"access-control-request-method" in seen:
             await self.cors(scope, receive, send)  # a preflight carries no key: CORSMiddleware answers it
             return
-        if authorization is None and api_key is not None:  # Anthropic's SDKs send their key so
-            authorization = b"Bearer " + api_key
+        if authorization is None:  # a wire API's own key header (Anthropic's SDKs send x-api-key)
+            authorization = next((b"Bearer " + seen[h] for h in KEY_HEADERS if h in seen), None)
         try:
             key = self.principals.check(scope["path"], authorization)
         except Refusal as refusal:
@@ -174,6 +164,7 @@ class Guard:
             return
         if key is not None:  # an app's key (proxy/keys.py): the routes scope what it names to it
             scope[SCOPE_KEY] = key
+        ctype = seen.get(b"content-type")
         if method in _BODY_METHODS and not _is_json(ctype):
             shown = ctype.decode("latin-1") if ctype is not None else "none"
             await _refuse(
@@ -185,10 +176,6 @@ class Guard:
             )
             return
         await (self.cors if cors else self.app)(scope, receive, send)
-
-
-def _is_preflight(headers: list[tuple[bytes, bytes]]) -> bool:
-    return any(k == b"access-control-request-method" for k, _ in headers)
 
 
 def _is_json(ctype: bytes | None) -> bool:

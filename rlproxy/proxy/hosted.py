@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 from rlproxy.errors import ConfigError
 from rlproxy.proxy import http11
 from rlproxy.proxy.forward import Upstream
+from rlproxy.proxy.policies import pairs
 from rlproxy.settings import Settings
 from rlproxy.storage.records import CompletionRecord
 
@@ -50,20 +51,6 @@ HOSTED = "hosted"  # completions.source of a row a text-only upstream answered
 PASSED = frozenset(
     {b"content-type", b"accept", b"accept-encoding", b"user-agent", b"idempotency-key", b"openai-beta"}
 )
-
-
-def _pairs(spec: str, what: str) -> dict[str, str]:
-    """`"a=x,b=y"` -> {"a": "x", "b": "y"}; ConfigError naming the setting on a malformed entry."""
-    out: dict[str, str] = {}
-    for item in spec.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise ConfigError(f"{what}: entry {item!r} is not policy=value")
-        out[key.strip()] = value.strip()
-    return out
 
 
 @dataclass(frozen=True)
@@ -87,9 +74,9 @@ def parse_hosted(
 ) -> dict[str, HostedSpec]:
     """The hosted policies the settings declare (`hosted_upstreams`, `hosted_models`,
     `hosted_api_keys`), by policy; ConfigError on a malformed entry or a key variable that is unset."""
-    urls = _pairs(upstreams, "hosted_upstreams")
-    names = _pairs(models, "hosted_models")
-    keys = _pairs(api_keys, "hosted_api_keys")
+    urls = pairs(upstreams, "hosted_upstreams")
+    names = pairs(models, "hosted_models")
+    keys = pairs(api_keys, "hosted_api_keys")
     for policy in (names.keys() | keys.keys()) - urls.keys():
         raise ConfigError(f"hosted_models/hosted_api_keys name {policy!r}, which hosted_upstreams does not")
     out = {}
@@ -166,14 +153,7 @@ def open_hosted(specs: dict[str, HostedSpec], settings: Settings) -> HostedUpstr
     """One pooled client per provider (call inside the running loop: the lifespan)."""
     made = {}
     for policy, spec in specs.items():
-        up = Upstream(
-            spec.root,
-            settings.upstream_timeout,
-            idle_timeout=settings.upstream_idle_timeout,
-            max_connections=settings.upstream_max_connections,
-            api_key=spec.api_key,
-        )
-        made[policy] = HostedUpstream(spec, up)
+        made[policy] = HostedUpstream(spec, Upstream.of(spec.root, settings, spec.api_key))
         logger.info("policy %s: hosted upstream %s (text only, no token ids)", policy, spec.url)
     return HostedUpstreams(made)
 

@@ -20,14 +20,14 @@ accepted (the upstream ignores them).
 the prompt of the translated chat body, counted by the model's own chat template; a hosted
 policy's by its provider's `/tokenize` (a provider without one: 502, as documented).
 
-Errors on these routes are in Anthropic's shape (`AnthropicErrors`, outermost in the ASGI stack, so
-the guard's 401/403/415, the limits' 413/503 and the routes' 400/404/502 all get it), with 422 as 400.
+Errors on these routes are in Anthropic's shape (`error`, which `apis.ErrorShapes`, outermost in the
+ASGI stack, applies: so the guard's 401/403/415, the limits' 413/503 and the routes' 400/404/502 all
+get it), with 422 as 400.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -35,20 +35,12 @@ import orjson
 from starlette.responses import Response
 
 from rlproxy.errors import APIError
-from rlproxy.proxy import responses
+from rlproxy.proxy import forward, validate
+from rlproxy.proxy.stream import EventStream
 from rlproxy.wire.message_events import MessageEvents, count_object, message_object, new_message_id
 from rlproxy.wire.messages import MessagesInputError, chat_request, count_request, error_body, error_status
 
 logger = logging.getLogger(__name__)
-_CONTEXT = re.compile(rb"maximum context length|max_model_len", re.IGNORECASE)  # the engine, vLLM
-
-
-def is_messages_path(path: str) -> bool:
-    """`/v1/messages` and below, also under `/runs/{run_id}/` (what `AnthropicErrors` rewrites)."""
-    if path.startswith("/runs/"):
-        parts = path.split("/", 3)
-        path = "/" + parts[3] if len(parts) == 4 else path
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 @dataclass(slots=True)
@@ -67,10 +59,12 @@ class Call:
         return message_object(chat, message_id=self.response_id, model=self.body.get("model"))
 
     def events(self, model: str) -> EventStream:
-        return EventStream(self, model)
+        """Chat chunks in, Messages SSE events out (message_start waits for the first chunk: its
+        prompt token ids give input_tokens)."""
+        return EventStream(MessageEvents(message_id=self.response_id, model=model))
 
 
-def prepare(body: dict) -> Call:
+async def prepare(px, scope, body: dict) -> Call:
     """Translate `body` (400 naming the field for what cannot be served)."""
     try:
         return Call(body=body, chat=chat_request(body))
@@ -78,26 +72,13 @@ def prepare(body: dict) -> Call:
         raise APIError(400, str(exc), param=exc.param) from None
 
 
-def context_overflow(status: int, content: bytes, upstream_body: dict) -> bool:
-    """True when the upstream refused `upstream_body` for prompt + max_tokens past its context, and
-    dropping `max_tokens` (so the answer stops where the context is full) can serve it."""
-    return status == 400 and "max_tokens" in upstream_body and bool(_CONTEXT.search(content[:2000]))
-
-
-class EventStream(responses.EventStream):
-    """Chat chunks in, the bytes of Messages SSE events out (for `stream.StreamRelay`); the chunk,
-    end and fail rules are the Responses stream's (`proxy/responses.py`), over Messages events."""
-
-    def __init__(self, call: Call, model: str) -> None:
-        self.events = MessageEvents(message_id=call.response_id, model=model)  # type: ignore[assignment]
-        self.ended = False
-
-    def start(self) -> bytes:
-        return b""  # message_start waits for the first chunk (its prompt token ids give input_tokens)
-
-    @property
-    def response(self) -> dict:
-        return self.events.message
+async def side(px, request, path: str) -> Response | None:
+    """`POST /v1/messages/count_tokens`; None for any other path below /v1/messages (relayed)."""
+    if request.method != "POST" or path.rstrip("/") != "messages/count_tokens":
+        return None
+    body = validate.parse_body(await request.body(), px.settings.max_json_depth)
+    headers = forward.request_headers(list(request.scope["headers"]), px.drop_headers, identity=True)
+    return await count_tokens(px, body, headers)
 
 
 async def count_tokens(px, body: dict, headers: list) -> Response:
@@ -142,43 +123,8 @@ def _message_of(body: bytes) -> str:
     return body.decode("utf-8", "replace")[:2000]
 
 
-class AnthropicErrors:
-    """ASGI: on the Messages routes, every error answer (status >= 400, JSON) in Anthropic's shape
-    `{"type": "error", "error": {"type", "message"}}` (422 as 400); other paths untouched."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    def __getattr__(self, name: str):
-        return getattr(self.app, name)  # transparent: the stack below keeps its attributes (in_flight)
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not is_messages_path(scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        held: dict | None = None
-        parts: list[bytes] = []
-
-        async def rewrite(message: dict) -> None:
-            nonlocal held
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                held = message
-                return
-            if held is None or message["type"] != "http.response.body":
-                await send(message)
-                return
-            parts.append(message.get("body", b""))
-            if message.get("more_body", False):
-                return
-            status = error_status(held["status"])
-            body = orjson.dumps(error_body(status, _message_of(b"".join(parts))))
-            headers = [
-                (k, v)
-                for k, v in held.get("headers", ())
-                if k.lower() not in (b"content-length", b"content-type")
-            ]
-            headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-
-        await self.app(scope, receive, rewrite)
+def error(status: int, body: bytes) -> tuple[int, bytes]:
+    """An error answer in Anthropic's shape `{"type": "error", "error": {"type", "message"}}`, 422
+    as 400 (`apis.ErrorShapes` calls it on these routes)."""
+    status = error_status(status)
+    return status, orjson.dumps(error_body(status, _message_of(body)))

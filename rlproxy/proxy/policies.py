@@ -29,25 +29,27 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from rlproxy.errors import APIError, RLProxyError
+from rlproxy.errors import APIError, ConfigError, RLProxyError
 from rlproxy.inference.backend import adapter_name, parse_adapter_name
 from rlproxy.storage import queries
 
 logger = logging.getLogger(__name__)
 
 
+def pairs(spec: str, what: str, error: type[Exception] = ConfigError) -> dict[str, str]:
+    """`"a=x,b=y"` -> {"a": "x", "b": "y"}; `error` naming the setting `what` on a malformed entry."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise error(f"{what}: entry {item!r} is not name=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def parse_model_map(spec: str) -> dict[str, str]:
     """`"a=p,b=q,*=p"` -> {"a": "p", "b": "q", "*": "p"}; raises ValueError on a malformed entry."""
-    out: dict[str, str] = {}
-    for item in spec.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, sep, policy = item.partition("=")
-        if not sep or not name.strip() or not policy.strip():
-            raise ValueError(f"model map entry {item!r} is not name=policy")
-        out[name.strip()] = policy.strip()
-    return out
+    return pairs(spec, "model_map", ValueError)
 
 
 class Policies:

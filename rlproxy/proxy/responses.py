@@ -29,11 +29,12 @@ import orjson
 from starlette.responses import Response
 
 from rlproxy.errors import APIError
+from rlproxy.proxy import keys
+from rlproxy.proxy.stream import EventStream
 from rlproxy.storage import queries
 from rlproxy.storage.writer import PEER_GRACE_S, PEER_RETRY_S
 from rlproxy.wire.response_events import ResponseEvents, response_object
 from rlproxy.wire.responses import ResponsesInputError, chat_request, conversation
-from rlproxy.wire.sse import event_bytes as _sse
 
 
 @dataclass(slots=True)
@@ -57,12 +58,14 @@ class Call:
 
     def events(self, model: str) -> EventStream:
         """The translator of the chat stream into Responses events."""
-        return EventStream(self, model)
+        return EventStream(
+            ResponseEvents(self.body, response_id=self.response_id, created_at=self.created_at, model=model)
+        )
 
 
-async def prepare(px, body: dict, key=None) -> Call:
+async def prepare(px, scope, body: dict) -> Call:
     """Translate `body` (400 for what cannot be served, 404 for an unknown `previous_response_id`)."""
-    history, run_id = None, None
+    history, run_id, key = None, None, scope.get(keys.SCOPE_KEY)
     prev_id = body.get("previous_response_id")
     if prev_id is not None:
         if not isinstance(prev_id, str):
@@ -122,6 +125,14 @@ def _decode(row: dict | None) -> dict | None:
     return row
 
 
+async def side(px, request, path: str) -> Response | None:
+    """`GET /v1/responses/{id}`, served from the store (the caller's app key's only); None for any
+    other request below /v1/responses (relayed)."""
+    if request.method == "GET" and path.count("/") == 1:
+        return await retrieve(px, path[len("responses/") :], keys.of(request.scope))
+    return None
+
+
 async def retrieve(px, response_id: str, key=None) -> Response:
     """`GET /v1/responses/{response_id}`: the stored Responses object of app key `key` (404 if none,
     another app's, or `store: false`)."""
@@ -134,42 +145,3 @@ async def retrieve(px, response_id: str, key=None) -> Response:
             code="response_not_found",
         )
     return Response(orjson.dumps(row["client_response"]), media_type="application/json")
-
-
-class EventStream:
-    """Chat chunks in, the bytes of Responses SSE events out (for `stream.StreamRelay`)."""
-
-    def __init__(self, call: Call, model: str) -> None:
-        self.events = ResponseEvents(
-            call.body, response_id=call.response_id, created_at=call.created_at, model=model
-        )
-        self.ended = False  # a terminal event (completed, incomplete, failed) was sent
-
-    def start(self) -> bytes:
-        return b"".join(map(_sse, self.events.start()))
-
-    def chunk(self, chunk: dict) -> bytes:
-        if self.ended:
-            return b""
-        if "error" in chunk and not chunk.get("choices"):  # the upstream's error event mid-stream
-            err = chunk["error"]
-            return self.fail(err.get("message") if isinstance(err, dict) else str(err))
-        return b"".join(map(_sse, self.events.feed(chunk)))
-
-    def end(self) -> bytes:
-        """The events that end a stream the upstream ended well."""
-        if self.ended:
-            return b""
-        self.ended = True
-        return b"".join(map(_sse, self.events.finish()))
-
-    def fail(self, message: str) -> bytes:
-        """response.failed, for a stream the upstream broke."""
-        if self.ended:
-            return b""
-        self.ended = True
-        return b"".join(map(_sse, self.events.fail(message)))
-
-    @property
-    def response(self) -> dict:
-        return self.events.response

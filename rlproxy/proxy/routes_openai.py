@@ -17,11 +17,11 @@ the OpenAI shape (`capture.shape_problem`; or one the Responses translation cann
 in OpenAI's shape, stored as an error row with the reason. No client-facing error names the
 upstream (`errors.public_message`); the stored row and the log keep the detail.
 
-`POST /v1/responses` is a hot route too: the proxy serves the Responses API itself over the
-upstream's chat completions (`proxy/responses.py`): the body is translated to the chat body that is
-forwarded, captured and stored as `request`, and the chat answer is translated back for the client.
-`POST /v1/messages` (Anthropic's Messages API) is served the same way (`proxy/messages.py`), and
-`POST /v1/messages/count_tokens` over the upstream's `/tokenize`.
+Which path is which API, and all that differs between them, is one table (`proxy/apis.py`):
+`POST /v1/responses` and `POST /v1/messages` are hot routes too, served over the upstream's chat
+completions: the row's `prepare` translates the body to the chat body that is forwarded, captured
+and stored as `request`, and its call translates the chat answer back for the client. An API's other
+routes (`GET /v1/responses/{id}`, `POST /v1/messages/count_tokens`) are its row's `side`.
 
 A client that hangs up cancels its upstream call, streaming (`proxy/stream.py`) or not
 (`_unless_gone`): the protocol says the connection is lost (`server.hangup_calls`), the call is
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from datetime import UTC, datetime
 
@@ -47,35 +48,13 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from rlproxy.errors import APIError, BackendRedirect, RLProxyError
-from rlproxy.proxy import (
-    capture,
-    errors,
-    forward,
-    hosted,
-    keys,
-    messages,
-    responses,
-    routes_runs,
-    runkey,
-    server,
-    validate,
-)
-from rlproxy.proxy.stream import StreamRelay
-from rlproxy.storage.records import CompletionRecord, Endpoint
+from rlproxy.proxy import apis, capture, errors, forward, hosted, keys, routes_runs, runkey, server, validate
+from rlproxy.proxy.apis import ROUTES, WireAPI
+from rlproxy.proxy.stream import EventStream, StreamRelay
+from rlproxy.storage.records import CompletionRecord
 
 logger = logging.getLogger(__name__)
-
-# The hot routes: the URL (without its leading slash) -> the endpoint it serves; the upstream
-# is asked on the same path.
-ROUTES = {
-    "v1/chat/completions": Endpoint.CHAT,
-    "v1/completions": Endpoint.COMPLETIONS,
-    "v1/responses": Endpoint.RESPONSES,
-    "v1/messages": Endpoint.MESSAGES,
-}
-_UPSTREAM_PATHS = {endpoint: b"/" + route.encode() for route, endpoint in ROUTES.items()}
-_UPSTREAM_PATHS[Endpoint.RESPONSES] = b"/v1/chat/completions"  # served over chat (module doc)
-_UPSTREAM_PATHS[Endpoint.MESSAGES] = b"/v1/chat/completions"
+_CONTEXT = re.compile(rb"maximum context length|max_model_len", re.IGNORECASE)  # the engine, vLLM
 
 
 class HotPath:
@@ -88,20 +67,15 @@ class HotPath:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path = scope["path"]
-            endpoint, run_id, tail = None, None, None
-            if path.startswith("/v1/"):
-                tail = path[1:]
-            elif path.startswith("/runs/"):
-                _, _, rest = path.partition("/runs/")
-                run_id, _, tail = rest.partition("/")
-            if tail is not None:
-                # a trailing slash names the same route: captured like it, never passed through
-                endpoint = ROUTES.get(tail) or (ROUTES.get(tail[:-1]) if tail[-1:] == "/" else None)
-            reward = None if endpoint is not None else routes_runs.reward_route(path)
-            if endpoint is not None or reward is not None:
+            run_id, tail = None, path[1:]
+            if path.startswith("/runs/"):
+                run_id, _, tail = tail[5:].partition("/")
+            api = ROUTES.get(tail) or apis.route(tail)
+            reward = None if api is not None else routes_runs.reward_route(path)
+            if api is not None or reward is not None:
                 try:
-                    if endpoint is not None:
-                        response = await complete(self.state, scope, receive, endpoint, run_id)
+                    if api is not None:
+                        response = await complete(self.state, scope, receive, api, run_id)
                     else:
                         response = await routes_runs.post_reward(self.state, scope, receive, *reward)
                 except validate.ClientGone:
@@ -116,7 +90,7 @@ class HotPath:
         await self.app(scope, receive, send)
 
 
-async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | None) -> Response | _Answer:
+async def complete(px, scope, receive, api: WireAPI, path_run_id: str | None) -> Response | _Answer:
     """Forward one completion request and capture it (see the module doc)."""
     started = time.perf_counter()
     created_at = datetime.now(UTC)
@@ -136,13 +110,10 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     raw = await validate.read_body(receive, declared, px.settings.max_body_bytes)
     body = validate.parse_body(raw, px.settings.max_json_depth)
     call = None
-    if endpoint == Endpoint.RESPONSES:
-        call = await responses.prepare(px, body, key)
+    if api.prepare is not None:  # a translated API (proxy/apis.py)
+        call = await api.prepare(px, scope, body)
         body = call.chat  # from here on the chat form: forwarded, hashed, stored
-    elif endpoint == Endpoint.MESSAGES:
-        call = messages.prepare(body)
-        body = call.chat
-    validate.check(body, Endpoint.CHAT if call is not None else endpoint)
+    validate.check(body, api.form)
     if run_id is not None:
         runkey.check_id(run_id)
     if group_id is not None:
@@ -166,41 +137,41 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
     if text_only is not None:  # sent as the client wrote it: nothing injected, nothing to strip
         inj = capture.Injected()
     else:
-        inj = capture.inject(upstream_body, Endpoint.CHAT if call is not None else endpoint)
+        inj = capture.inject(upstream_body, api.form)
     stream = upstream_body.get("stream") is True
     if key is not None:  # its policies only (else 404), its own prefix cache, its limits (else 429)
         px.keys.enter(key, policy, body.get("model"), upstream_body if text_only is None else None, stream)
     elif px.keys.any and text_only is None:  # apps have keys: a client never picks another's salt
         upstream_body.pop("cache_salt", None)
-    rec = CompletionRecord(
+    rec = CompletionRecord(  # the run, whose key; the policy, where it is served; the API, the bodies
         run_id=run_id,
         group_id=group_id,
         split=split,
+        key_id=key.id if key is not None else None,
         policy=policy,
         adapter=upstream_model,
         policy_step=step,
-        endpoint=endpoint,
+        source=hosted.HOSTED if text_only is not None else None,
+        endpoint=api.name,
         stream=stream,
         request=body,
-        created_at=created_at,
         client_request=call.body if call is not None else None,
-        source=hosted.HOSTED if text_only is not None else None,
-        key_id=key.id if key is not None else None,
+        created_at=created_at,
     )
     if run_id is not None:
         px.inflight.enter(run_id)
     handed_off = False
     try:
         headers = forward.request_headers(scope["headers"], px.drop_headers, identity=True)
-        query = b"" if endpoint == Endpoint.MESSAGES else scope["query_string"]  # ?beta=true is ours
+        query = scope["query_string"] if api.query else b""
         call_upstream = (text_only or px.upstream).post(
-            _UPSTREAM_PATHS[endpoint], headers, orjson.dumps(upstream_body), query, stream, run_id
+            api.upstream, headers, orjson.dumps(upstream_body), query, stream, run_id
         )
         # a stream's relay watches the client itself (proxy/stream.py); a plain call is raced here
         resp = await (call_upstream if stream else _unless_gone(call_upstream, scope, receive))
-        if endpoint == Endpoint.MESSAGES and resp.status_code == 400 and text_only is None:
+        if api.clamp and resp.status_code == 400 and text_only is None:
             # the engine's context refusal (a provider's is the answer: hosted policies never fall back)
-            resp = await _unclamped(px, resp, rec, upstream_body, headers, stream, run_id)
+            resp = await _unclamped(px, resp, rec, upstream_body, headers, stream, run_id, api.upstream)
         # the serving step is the operator's to see (the dashboard), not an agent's: unless told
         # (disclose_policy_step), an app cannot tell a canary's arms apart
         step_header = (b"x-policy-step", str(step).encode()) if px.settings.disclose_policy_step else None
@@ -208,17 +179,17 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
             ctype = resp.header(b"content-type") or b""
             if resp.status_code == 200 and ctype.startswith(b"text/event-stream"):
                 handed_off = True
-                return _relay(px, resp, rec, inj, started, step_header, call, upstream_model, key)
+                return _relay(px, resp, rec, api.form, inj, started, step_header, call, upstream_model, key)
             try:
                 resp.content = resp.content or await resp.read()  # (`_unclamped` may have read it)
             finally:
                 resp.close()
-        return _answer(px, resp, rec, inj, started, step_header, call)
+        return _answer(px, resp, rec, api.form, inj, started, step_header, call)
     except _ClientGone:
         rec.status, rec.status_code, rec.error = "cancelled", 499, "client disconnected"
         rec.latency_ms = (time.perf_counter() - started) * 1000.0
         _submit(px, rec)
-        px.metrics.observe(endpoint, "cancelled", rec.latency_ms / 1000.0)
+        px.metrics.observe(api.name, "cancelled", rec.latency_ms / 1000.0)
         return Response(status_code=499)  # nobody reads it: the connection is gone
     except RLProxyError as exc:
         rec.status = "error"
@@ -226,7 +197,7 @@ async def complete(px, scope, receive, endpoint: Endpoint, path_run_id: str | No
         rec.error = str(exc)  # the detail (the upstream's URL too) stays in the store and the log
         rec.latency_ms = (time.perf_counter() - started) * 1000.0
         _submit(px, rec)
-        px.metrics.observe(endpoint, f"upstream_{rec.status_code}", rec.latency_ms / 1000.0)
+        px.metrics.observe(api.name, f"upstream_{rec.status_code}", rec.latency_ms / 1000.0)
         raise
     finally:
         if run_id is not None and not handed_off:
@@ -269,7 +240,7 @@ async def _unless_gone(call, scope, receive):
 
 
 def _answer(
-    px, resp, rec: CompletionRecord, inj: capture.Injected, started: float, step_header, call=None
+    px, resp, rec: CompletionRecord, form: str, inj: capture.Injected, started: float, step_header, call=None
 ) -> Response | _Answer:
     """A non-streaming answer: capture, strip, submit, respond (a Responses call: translated back)."""
     content = resp.content
@@ -282,12 +253,11 @@ def _answer(
     except orjson.JSONDecodeError:
         pass
     if resp.status_code == 200:
-        endpoint = Endpoint.CHAT if call is not None else rec.endpoint
-        problem = capture.shape_problem(parsed, endpoint)
+        problem = capture.shape_problem(parsed, form)
         if problem is None:
             try:
                 capture.coerce_usage(parsed)
-                cap = capture.from_response(parsed, endpoint, inj)
+                capture.from_response(parsed, form, inj, rec)
                 if call is not None:
                     rec.client_response = call.answer(parsed)
                     rec.response_id = call.response_id if call.store else None
@@ -299,7 +269,8 @@ def _answer(
                 problem = f"the answer could not be read ({type(exc).__name__})"
         if problem is not None:
             return _malformed(px, rec, started, parsed, content, problem, step_header)
-        _fill(rec, cap)
+        if rec.source is not None:  # a hosted row: no token ids, marked (proxy/hosted.py)
+            hosted.text_only(rec)
         rec.status = "ok"
         outcome = "ok"
     else:
@@ -335,21 +306,20 @@ class _Answer:
         await send({"type": "http.response.body", "body": self.body})
 
 
-async def _unclamped(px, resp, rec: CompletionRecord, upstream_body: dict, headers, stream: bool, run_id):
-    """A Messages call refused for prompt + max_tokens past the context: sent again without
-    max_tokens (see proxy/messages.py); otherwise the refusal, read whole for `_answer`."""
+async def _unclamped(px, resp, rec: CompletionRecord, upstream_body: dict, headers, stream, run_id, path):
+    """A call refused for prompt + max_tokens past the context (a row with `clamp`: Messages, whose
+    agent CLIs ask 32000 whatever the context; see proxy/messages.py) is sent again without
+    max_tokens, so the answer stops where the context is full; otherwise the refusal, read whole."""
     try:
         resp.content = await resp.read() if stream else resp.content
     finally:
         if stream:
             resp.close()
-    if not messages.context_overflow(resp.status_code, resp.content, upstream_body):
+    if "max_tokens" not in upstream_body or not _CONTEXT.search(resp.content[:2000]):
         return resp
     del upstream_body["max_tokens"]
     rec.request = {k: v for k, v in rec.request.items() if k != "max_tokens"}
-    return await px.upstream.post(
-        _UPSTREAM_PATHS[Endpoint.MESSAGES], headers, orjson.dumps(upstream_body), b"", stream, run_id
-    )
+    return await px.upstream.post(path, headers, orjson.dumps(upstream_body), b"", stream, run_id)
 
 
 def _malformed(
@@ -358,6 +328,8 @@ def _malformed(
     """A 200 that is no completion: 502 in OpenAI's shape; stored as an error row with the reason."""
     rec.status = "error"
     rec.status_code = 502
+    rec.prompt_token_ids = rec.token_ids = rec.logprobs = rec.finish_reason = None  # (not served)
+    rec.prompt_tokens = rec.completion_tokens = None
     rec.response = parsed if isinstance(parsed, dict) else None
     rec.client_response = None
     rec.response_id = None
@@ -372,36 +344,27 @@ def _malformed(
     return response
 
 
-def _fill(rec: CompletionRecord, cap: capture.Captured) -> None:
-    rec.response = cap.response
-    rec.prompt_token_ids = cap.prompt_token_ids
-    rec.token_ids = cap.token_ids
-    rec.logprobs = cap.logprobs
-    rec.finish_reason = cap.finish_reason
-    rec.prompt_tokens = cap.prompt_tokens
-    rec.completion_tokens = cap.completion_tokens
-    if rec.source is not None:  # a hosted row: no token ids, marked (proxy/hosted.py)
-        hosted.text_only(rec)
-
-
 def _relay(
     px,
     resp,
     rec: CompletionRecord,
+    form: str,
     inj: capture.Injected,
     started: float,
     step_header,
-    call: responses.Call | messages.Call | None = None,
+    call=None,
     model: str = "",
     key: keys.AppKey | None = None,
 ) -> StreamRelay:
     """A streaming answer: relay while assembling; store when it ends (however it ends)."""
-    assembler = capture.StreamAssembler(Endpoint.CHAT if call is not None else rec.endpoint, inj)
-    translate = call.events(model) if call is not None else None
+    assembler = capture.StreamAssembler(form, inj)
+    translate: EventStream | None = call.events(model) if call is not None else None
 
     def done(status: str, error: str | None, ttft: float | None, status_code: int) -> None:
         try:
-            _fill(rec, assembler.result())
+            assembler.result(rec)
+            if rec.source is not None:  # a hosted row: no token ids, marked (proxy/hosted.py)
+                hosted.text_only(rec)
             rec.status = status
             rec.status_code = status_code
             rec.error = (
@@ -442,13 +405,11 @@ async def _pass(request: Request, path: str) -> Response:
             code="engine_route_forbidden",
         )
     px = request.app.state.proxy
-    if request.method == "GET" and path.startswith("responses/") and path.count("/") == 1:
-        # served from the store, the caller's app key's only
-        return await responses.retrieve(px, path[len("responses/") :], keys.of(request.scope))
-    if request.method == "POST" and path.rstrip("/") == "messages/count_tokens":
-        body = validate.parse_body(await request.body(), px.settings.max_json_depth)
-        headers = forward.request_headers(list(request.scope["headers"]), px.drop_headers, identity=True)
-        return await messages.count_tokens(px, body, headers)
+    api = apis.owner("/v1/" + path)
+    if api is not None and api.side is not None:  # an API's other routes (GET /v1/responses/{id}, ...)
+        answer = await api.side(px, request, path)
+        if answer is not None:
+            return answer
     return await px.upstream.relay(request, "/v1/" + path, px.drop_headers)
 
 

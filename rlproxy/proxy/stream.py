@@ -19,10 +19,11 @@ stored as cut, never as `ok`: an upstream that drops the connection or sends not
 chunk (the connection is closed, so the client can tell it from a clean end); a relay cancelled by
 the proxy's shutdown is `cancelled` (503) with the reason.
 
-With `translate` (the Responses API, `proxy/responses.EventStream`) the client gets other events than
-the upstream sends: every chat chunk is still folded into the assembler, and what goes out is the
-Responses events it makes, opened by response.created/in_progress and closed by response.completed
-(in the last write, after the store report) or, when the upstream breaks, response.failed.
+With `translate` (a translated API's `EventStream`: the Responses API, Anthropic's Messages) the
+client gets other events than the upstream sends: every chat chunk is still folded into the
+assembler, and what goes out is the events it makes, opened by its `start` (response.created/
+in_progress) and closed by its `end` (response.completed: in the last write, after the store
+report) or, when the upstream breaks, its `fail` (response.failed).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import orjson
 from starlette.responses import Response
@@ -40,9 +41,6 @@ from rlproxy.errors import BackendError, BackendUnavailable
 from rlproxy.proxy import http11, server
 from rlproxy.proxy.capture import Injected, StreamAssembler
 from rlproxy.proxy.errors import public_message
-
-if TYPE_CHECKING:
-    from rlproxy.proxy.responses import EventStream
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +71,55 @@ def _lf(data: bytes, cr: bool) -> tuple[bytes, bool]:
     return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n"), data[-1:] == b"\r"
 
 
+def _sse(events: list[dict]) -> bytes:
+    """Typed events as SSE: `event: <type>` + `data: <json>` each (an event without a type: `data:`)."""
+    out = b""
+    for event in events:
+        data = b"data: " + orjson.dumps(event) + b"\n\n"
+        out += b"event: " + event["type"].encode() + b"\n" + data if "type" in event else data
+    return out
+
+
+class EventStream:
+    """A translated API's events (its wire/ translator: `start`, `feed`, `finish`, `fail`, `response`)
+    as the bytes the relay sends: an upstream error event mid-stream fails it, nothing follows an end."""
+
+    __slots__ = ("events", "ended")
+
+    def __init__(self, events: Any) -> None:
+        self.events = events
+        self.ended = False  # a terminal event (completed, incomplete, failed, message_stop) was sent
+
+    def start(self) -> bytes:
+        return _sse(self.events.start())
+
+    def chunk(self, chunk: dict) -> bytes:
+        if self.ended:
+            return b""
+        if "error" in chunk and not chunk.get("choices"):  # the upstream's error event mid-stream
+            err = chunk["error"]
+            return self.fail(err.get("message") if isinstance(err, dict) else str(err))
+        return _sse(self.events.feed(chunk))
+
+    def end(self) -> bytes:
+        """The events that end a stream the upstream ended well."""
+        if self.ended:
+            return b""
+        self.ended = True
+        return _sse(self.events.finish())
+
+    def fail(self, message: str) -> bytes:
+        """The events that end a stream the upstream broke."""
+        if self.ended:
+            return b""
+        self.ended = True
+        return _sse(self.events.fail(message))
+
+    @property
+    def response(self) -> dict:
+        return self.events.response
+
+
 class StreamRelay(Response):
     """An ASGI response that relays `upstream` (headers read) and reports how it ended."""
 
@@ -88,16 +135,11 @@ class StreamRelay(Response):
         *,
         max_event: int,
     ) -> None:
-        self.upstream = upstream
+        self.upstream, self.raw_headers, self.assembler, self.inj = upstream, headers, assembler, inj
+        self.started, self.done, self.translate = started, done, translate
         self.max_event = max_event  # bytes of one event not yet ended: past it, the upstream's fault
-        self.translate = translate
         self.status_code = upstream.status_code
         self.background = None
-        self.raw_headers = headers
-        self.assembler = assembler
-        self.inj = inj
-        self.started = started
-        self.done = done
         self.ttft: float | None = None
         self.error: str | None = None
         self.saw_done = False  # the `[DONE]` event: the completion is whole, whatever follows it

@@ -344,16 +344,7 @@ async def open_upstream(
 ) -> Upstream | Upstreams:
     """A plain `Upstream` for one URL; else `Upstreams` over all of them, probed once (those that do
     not answer start ejected, and are restored when they do) with its probe loop started."""
-    made = [
-        Upstream(
-            url,
-            settings.upstream_timeout,
-            idle_timeout=settings.upstream_idle_timeout,
-            max_connections=settings.upstream_max_connections,
-            api_key=api_key,
-        )
-        for url in urls
-    ]
+    made = [Upstream.of(url, settings, api_key) for url in urls]
     if len(made) == 1:
         return made[0]
     pool = Upstreams(

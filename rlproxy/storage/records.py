@@ -18,12 +18,11 @@ import orjson
 
 
 class Endpoint(StrEnum):
-    """The OpenAI route a completion came through (the `completions.endpoint` column's values)."""
+    """The upstream's two completion forms: the `completions.endpoint` values of the OpenAI routes
+    (an API served over chat stores its own name: `responses`, `messages`; proxy/apis.py)."""
 
     CHAT = "chat.completions"  # POST /v1/chat/completions
     COMPLETIONS = "completions"  # POST /v1/completions
-    RESPONSES = "responses"  # POST /v1/responses, served over the upstream's chat completions
-    MESSAGES = "messages"  # POST /v1/messages (Anthropic's Messages API), the same way
 
 
 @dataclass
@@ -37,7 +36,7 @@ class CompletionRecord:
     policy: str | None = None  # policy the request named
     adapter: str | None = None  # model the upstream served: base name or policy@step
     policy_step: int | None = None  # 0 = base model
-    endpoint: Endpoint | None = None
+    endpoint: str | None = None  # an `Endpoint`, or a translated API's name
     stream: bool | None = None
     request: dict[str, Any] | None = None  # the client's request body
     response: dict[str, Any] | None = None  # what the client got (a stream assembled)
@@ -54,7 +53,7 @@ class CompletionRecord:
     completion_tokens: int | None = None
     created_at: datetime | None = None  # UTC; the writer fills in now() when None
     capture_id: str | None = None  # unique per record (the writer sets it): replays store it once
-    # the Responses API (endpoint RESPONSES; request/response above hold the chat form the model saw)
+    # a translated API (Responses, Messages; request/response above hold the chat form the model saw)
     response_id: str | None = None  # the response object's id; None when the client said store: false
     client_request: dict[str, Any] | None = None  # the Responses request body as the client sent it
     client_response: dict[str, Any] | None = None  # the Responses object the client received

@@ -4,5 +4,7 @@ and the upstream's chat completions, as pure functions, in one room. Imports not
     responses.py   Responses request -> chat body; chat answer/chunks -> Responses object/events
     messages.py    Anthropic Messages request -> chat body; Anthropic's error shape
     message_events.py  chat answer/chunks -> `message` object / Messages events
-    sse.py         the server-sent-event encoders the routes write those events with
+
+Read by the proxy (each API's row in `proxy/apis.py`), the embedded engine (which serves the same
+two APIs as vLLM does, `inference/server.py`) and the scorers.
 """

@@ -133,9 +133,12 @@ class MessageEvents:
         self._prompt_tokens: int | None = None
 
     @property
-    def message(self) -> dict:
+    def response(self) -> dict:
         """The message as it stands (the final one once `finish` ran)."""
         return self._message
+
+    def start(self) -> list[dict]:
+        return []  # message_start waits for the first chunk (its prompt token ids give input_tokens)
 
     def _start(self) -> list[dict]:
         if self._started:

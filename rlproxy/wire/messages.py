@@ -129,36 +129,30 @@ def _text(block: dict, where: str) -> str:
     return block["text"]
 
 
-def _system(system: Any) -> str | None:
-    if isinstance(system, str):
-        return system or None
-    _need(isinstance(system, list), "system: Input should be a string or a list of text blocks.", "system")
-    parts = []
-    for j, block in enumerate(system):
-        where = f"system[{j}]"
-        _need(isinstance(block, dict), f"{where}: Input should be an object.", where)
-        if block.get("type") != "text":
-            raise _refuse_block(block.get("type"), where)
-        text = _text(block, where)
-        if not text.startswith(BILLING_HEADER):
-            parts.append(text)
-    return "\n".join(parts) or None
-
-
-def _tool_result_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    _need(isinstance(content, list), f"{where}: Input should be a string or a list of blocks.", where)
+def _texts(blocks: Any, where: str, what: str) -> list[str]:
+    """The texts of a list of text blocks (400 naming the first that is not one)."""
+    _need(isinstance(blocks, list), f"{where}: Input should be a string or a list of {what}.", where)
     texts = []
-    for k, block in enumerate(content):
+    for k, block in enumerate(blocks):
         inner = f"{where}[{k}]"
         _need(isinstance(block, dict), f"{inner}: Input should be an object.", inner)
         if block.get("type") != "text":
             raise _refuse_block(block.get("type"), inner)
         texts.append(_text(block, inner))
-    return "\n".join(texts)
+    return texts
+
+
+def _system(system: Any) -> str | None:
+    if isinstance(system, str):
+        return system or None
+    texts = _texts(system, "system", "text blocks")
+    return "\n".join(t for t in texts if not t.startswith(BILLING_HEADER)) or None
+
+
+def _tool_result_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(_texts(content, where, "blocks"))
 
 
 def _message(msg: Any, i: int, out: list[dict]) -> None:

@@ -221,40 +221,27 @@ class ResponseEvents:
             )
         return events
 
+    def _item_event(self, kind: str, **fields: Any) -> dict:
+        """An event of the open item: its id and output index, then `fields`."""
+        return self._event(kind, item_id=self._open["id"], output_index=self._index(), **fields)
+
     def _part_event(self, kind: str, part: dict) -> dict:
-        return self._event(
-            kind, item_id=self._open["id"], output_index=self._index(), content_index=0, part=part
-        )
+        return self._item_event(kind, content_index=0, part=part)
 
     def _close(self) -> list[dict]:
         if self._open is None:
             return []
         item, text, index = self._open, "".join(self._text), self._index()
         events: list[dict] = []
-        if self._kind == "message":
-            final = _message_item(item["id"], text, self._logprobs, "completed")
-            events.append(
-                self._event(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                    logprobs=self._logprobs,
-                )
-            )
-            events.append(self._part_event("response.content_part.done", final["content"][0]))
-        elif self._kind == "reasoning":
-            final = _reasoning_item(item["id"], text, "completed")
-            events.append(
-                self._event(
-                    "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                )
-            )
+        if self._kind in ("message", "reasoning"):  # a text part: its text done, then the part
+            if self._kind == "message":
+                final = _message_item(item["id"], text, self._logprobs, "completed")
+                done, extra = "response.output_text.done", {"logprobs": self._logprobs}
+            else:
+                final = _reasoning_item(item["id"], text, "completed")
+                done, extra = "response.reasoning_text.done", {}
+            fields = {"item_id": item["id"], "output_index": index, "content_index": 0, "text": text}
+            events.append(self._event(done, **fields, **extra))
             events.append(self._part_event("response.content_part.done", final["content"][0]))
         else:
             final = _call_item(item["id"], item["call_id"], item["name"], text, "completed")
@@ -289,13 +276,7 @@ class ResponseEvents:
                     events += self._open_item("reasoning", _reasoning_item(_new_id("rs"), "", "in_progress"))
                 self._text.append(reasoning)
                 events.append(
-                    self._event(
-                        "response.reasoning_text.delta",
-                        item_id=self._open["id"],
-                        output_index=self._index(),
-                        content_index=0,
-                        delta=reasoning,
-                    )
+                    self._item_event("response.reasoning_text.delta", content_index=0, delta=reasoning)
                 )
             if delta.get("content"):
                 if self._kind != "message":
@@ -308,10 +289,8 @@ class ResponseEvents:
                 self._logprobs.extend(logprobs)
                 self._text.append(delta["content"])
                 events.append(
-                    self._event(
+                    self._item_event(
                         "response.output_text.delta",
-                        item_id=self._open["id"],
-                        output_index=self._index(),
                         content_index=0,
                         delta=delta["content"],
                         logprobs=logprobs,
@@ -338,14 +317,7 @@ class ResponseEvents:
             self._open["name"] += fn["name"]
         if fn.get("arguments"):
             self._text.append(fn["arguments"])
-            events.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    item_id=self._open["id"],
-                    output_index=self._index(),
-                    delta=fn["arguments"],
-                )
-            )
+            events.append(self._item_event("response.function_call_arguments.delta", delta=fn["arguments"]))
         return events
 
     def finish(self) -> list[dict]:

@@ -333,7 +333,7 @@ def run(chunks: list[dict]) -> tuple[list[dict], dict]:
     for e in out:
         if e["type"] != "ping":
             EVENT.validate_python(e)
-    return out, events.message
+    return out, events.response
 
 
 def test_stream_text_then_tool_calls() -> None:
