@@ -1,6 +1,6 @@
 """Where the writer's batches run: the `Runner` interface, the batch loop itself (`LoopRunner`, on
 the loop it is started on) and `ThreadRunner` (the same loop on a thread of its own);
-`writer_link.ProcessRunner` runs it in a writer process. `storage/writer.py` keeps the invariant
+`writer_process.ProcessRunner` runs it in a writer process. `storage/writer.py` keeps the invariant
 (queue, bounds, journal, reward futures) and sees only `Runner`.
 
 A runner takes operations in order (`put`, on the caller's loop), gathers them into batches (for
@@ -17,7 +17,7 @@ Why each mode is kept (measured, docs/performance.md):
   serving thread's CPU per 1,000 records 0.95-1.52 s on the loop, 0.25-0.37 s with it on a thread.
   Against the process it used less CPU in all (0.50-0.56 vs 0.59-0.61 s per 1,000 tagged, Intel;
   no second decode, no link) at a p99 no worse.
-- in a process (the default, `writer_link.py`): only a process can run at the scheduler's idle
+- in a process (the default, `writer_process.py`): only a process can run at the scheduler's idle
   priority, so that a request's next process is never woken behind a batch's SQL: tagged c=1 added
   p99 1.43/1.41 ms vs 3.38/3.78 ms at the normal priority (AMD, two runs each), 3.52-3.87 vs
   5.27-9.92 ms (Intel, five pairs).
@@ -66,7 +66,7 @@ REWARD_GAP_S = 0.01
 # A reward ends the batch being gathered at once when that batch is its own run's turns alone (at
 # most this many: an app that waits for each answer, then posts the reward)
 ALONE_MAX = 32
-STATS = "rows_written, commits, rewards_written, write_errors, replayed, last_error"
+STATS = ("rows_written", "commits", "rewards_written", "write_errors", "replayed", "last_error")
 
 
 class Item:
@@ -195,14 +195,7 @@ class LoopRunner:
 
     def stats(self) -> tuple:
         """The counters, in the order `STATS` names them."""
-        return (
-            self.rows_written,
-            self.commits,
-            self.rewards_written,
-            self.write_errors,
-            self.replayed,
-            self.last_error,
-        )
+        return tuple(getattr(self, name) for name in STATS)
 
     def put(self, op: Op) -> None:
         """A completion wakes an idle loop or fills a batch. A reward does not cut the batch short:

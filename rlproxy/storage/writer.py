@@ -36,7 +36,7 @@ commits. A reward is acknowledged (HTTP 200) only after it and its run's complet
 
 Where a batch's SQL runs is a `runner.Runner`: on the caller's loop (an in-memory SQLite
 database), on a thread of its own (`thread=True`, the default otherwise) or in a writer process
-(`process=True`, what `serve` uses: `writer_link.py`); `runner.py` says what measurement keeps each.
+(`process=True`, what `serve` uses: `writer_process.py`); `runner.py` says what measurement keeps each.
 This class stays on the caller's loop whatever the runner: it journals and queues (`submit`),
 and settles what the runner reports (counters, journal segments, reward futures), so all
 bookkeeping is the caller's loop's alone. The SQL of a transaction is in `rows.py`.
@@ -59,7 +59,7 @@ from rlproxy.storage.errors import RunNotFound, StoreUnavailable
 from rlproxy.storage.journal import Journal, encode
 from rlproxy.storage.records import CompletionRecord, storable
 from rlproxy.storage.runner import STATS, Flush, Item, LoopRunner, Op, Reward, Runner, Stop, ThreadRunner
-from rlproxy.storage.writer_link import ProcessRunner
+from rlproxy.storage.writer_process import ProcessRunner
 
 log = logging.getLogger(__name__)
 

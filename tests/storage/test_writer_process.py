@@ -41,7 +41,7 @@ from test_writer import (  # noqa: F401  (collected again here, every writer in 
 from rlproxy.storage.db import create_engine, sqlite_path
 from rlproxy.storage.journal import Journal
 from rlproxy.storage.writer import Writer
-from rlproxy.storage.writer_link import ProcessRunner
+from rlproxy.storage.writer_process import ProcessRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 
