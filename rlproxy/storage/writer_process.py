@@ -69,7 +69,7 @@ class ProcessRunner:
     to the normal one while it starves (`_watch_priority`)."""
 
     def __init__(self, recipe: dict[str, Any], flush_interval: float, max_batch: int, idle: bool) -> None:
-        # writer_process.py: SCHED_IDLE, where the starvation watch can see the scheduler
+        # the child at SCHED_IDLE only where the starvation watch can see the scheduler
         idle = idle and WriterProcess.can_watch()
         self._recipe = {**recipe, "flush_interval": flush_interval, "max_batch": max_batch}
         self._recipe["idle_priority"] = idle
@@ -188,13 +188,10 @@ class ProcessRunner:
     def _watch_priority(self) -> None:
         """Every STARVE_CHECK_S while idle priority is wanted: at idle priority, move the writer
         process to the normal one once it starves (see STARVED_SHARE); at the normal one, put it
-        back at idle priority when its time there is over (see IDLE_AGAIN_S).
-
-        The idle priority keeps its SQL from delaying requests on a busy core (docs/performance.md);
-        where the cores are kept busy (a trainer or an engine on them, a burst of load) it gets only
-        their leftovers. Lowering it is always allowed. Raising it from here needs CAP_SYS_NICE;
-        without that, the process is replaced by one started at the normal priority (over the kill -9
-        path: nothing lost, each row once)."""
+        back at idle priority when its time there is over (see IDLE_AGAIN_S; why idle: `_idle_priority`).
+        Lowering it is always allowed; raising it needs CAP_SYS_NICE, and without that the process
+        is replaced by one started at the normal priority (the kill -9 path: nothing lost, each row
+        once)."""
         self._watch = None
         if self._done is None or self._done.done() or not self._idle_wanted:
             return
@@ -315,9 +312,7 @@ def _idle_priority() -> None:
     client, the proxy itself) woken onto the core running a batch waited for the scheduler's wakeup
     granularity (~2 ms on 2 cores) behind this process's SQL. A SCHED_IDLE process yields at once, and
     its core counts as free when the scheduler places a woken task. The cost: it runs only on spare
-    CPU. If it starves, the proxy raises it to the normal priority for a while, or, without
-    CAP_SYS_NICE (which leaving SCHED_IDLE needs), replaces it with one started there
-    (`ProcessRunner._watch_priority`).
+    CPU (a trainer or an engine on the cores, a burst of load): `ProcessRunner._watch_priority`.
     """
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
