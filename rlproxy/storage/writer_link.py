@@ -1,27 +1,14 @@
-"""The proxy's side of its writer process: spawn it, frame messages both ways, notice its death.
-
-Why a process (issue 24): with the writer on a thread, its SQL (SQLAlchemy statements, row
-serialization, commits) held the interpreter lock while requests waited for it, and every release
-on the serving loop (the journal's `os.write`, a socket send) could hand it over for up to the
-switch interval. Profiled under tagged load, that doubled the proxy's p99 and cost it ~0.1 ms of
-CPU per request. In a process of its own the SQL runs on the other core, and the serving process
-only journals and sends (`storage/writer.py` keeps every rule of the queue; `writer_process.py`
-is the child's side).
+"""The link to a writer process (`writer_process.py`): spawn it, frame messages both ways, watch
+its scheduling (`WriterProcess`).
 
 The wire: a `socket.socketpair()`, each message one frame, `<u32 length><pickle>`, both ends ours.
 Parent -> child: ("config", {...}) first, then the operations ("I" completion, "R" reward, "F" flush,
-"W" withdraw a reward, "S" stop), each with the key the parent settles it by. Child -> parent:
-("settle", [(key, outcome)], stats), ("give_up", [key], error, keep, stats), ("stopped", stats)
-and ("stats", stats) while a batch keeps failing. Completions are written to the child within
-half of `flush_interval` or of REWARD_WAIT_S, whichever is shorter (25 ms by default: the writer
-gathers a batch longer than that anyway, and each completion is in the crash journal already),
-everything else at once, each time in one write: at one request in flight, a write and a wake-up
-of the child per completion cost more CPU than the SQL itself.
-
-The child dies with its parent: at the end of its socket it exits at once, without writing what it
-had not committed (that is in the crash journal, replayed by the next start). The parent restarts a
-child that died and sends it again everything not settled (completions marked replayed, so a row
-committed before the death is stored once).
+"S" stop), each with the key the parent settles it by (a reward and a stop carry their deadline).
+Child -> parent: the runner's reports (`runner.py`) with keys for operations. Completions are
+written to the child within half of `flush_interval` or of REWARD_WAIT_S, whichever is shorter (25
+ms by default: the writer gathers a batch longer than that anyway, and each completion is in the
+crash journal already), everything else at once, each time in one write: at one request in flight,
+a write and a wake-up of the child per completion cost more CPU than the SQL itself.
 """
 
 from __future__ import annotations
@@ -38,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("rlproxy.storage.writer")  # the writer's messages, whichever file
 
 _LEN = struct.Struct("<I")
 MAX_FRAME = 1 << 30  # one message; a completion is bounded far below this (max_body_bytes)
@@ -69,14 +56,6 @@ def load_error(data: tuple) -> BaseException:
         return exc
     except Exception:
         return RuntimeError(f"{module}.{name}: {args[0] if args else ''}")
-
-
-def encode_outcome(outcome: Any) -> Any:
-    return dump_error(outcome) if isinstance(outcome, BaseException) else outcome
-
-
-def decode_outcome(outcome: Any) -> Any:
-    return load_error(outcome) if isinstance(outcome, tuple) else outcome
 
 
 class Framed(asyncio.Protocol):
@@ -126,13 +105,7 @@ class Framed(asyncio.Protocol):
         with everything else queued by then: one write, and one wake-up of the other end."""
         if self.closed:
             return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not self.loop:  # from another thread (as the writer's submit may be called)
-            self.loop.call_soon_threadsafe(self.send, msg, within)
-            return
+        loop = self.loop  # the caller's: the writer's `submit` runs on it
         self._out.append(frame(msg))
         if within <= 0:
             if self._timer is not None:
@@ -157,17 +130,13 @@ class Framed(asyncio.Protocol):
 class WriterProcess:
     """The child process and the parent's end of its link (see the module doc)."""
 
-    def __init__(
-        self, on_message: Callable[[Any], None], on_lost: Callable[[Exception | None], None]
-    ) -> None:
-        self._on_message = on_message
-        self._on_lost = on_lost
+    def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.link: Framed | None = None
 
-    async def spawn(self, config: dict[str, Any]) -> None:
-        """Start a child and send it `config` (returns without waiting for it to be ready: what is
-        sent meanwhile waits in the socket)."""
+    async def spawn(self, config: dict[str, Any], link: Framed) -> None:
+        """Start a child, connect `link` to it and send it `config` (returns without waiting for it
+        to be ready: what is sent meanwhile waits in the socket)."""
         ours, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
@@ -177,10 +146,7 @@ class WriterProcess:
             )
         finally:
             theirs.close()
-        loop = asyncio.get_running_loop()
-        _, link = await loop.create_unix_connection(
-            lambda: Framed(self._on_message, self._on_lost), sock=ours
-        )
+        await asyncio.get_running_loop().create_unix_connection(lambda: link, sock=ours)
         self.link = link
         link.send(("config", config))
 

@@ -160,13 +160,13 @@ def test_a_killed_writer_process_is_replaced_and_counted_on_metrics(make_proxy, 
     for i in range(6):
         chat(i)
     proxy.flush()
-    first = proxy.state.writer._child.proc.pid
+    first = proxy.state.writer.runner.child.proc.pid
     os.kill(first, signal.SIGKILL)
     for i in range(6, 12):
         chat(i)
     assert httpx.post(f"{proxy.url}/v1/runs/r-3/reward", json={"reward": 1.0}, timeout=30).status_code == 200
     proxy.flush()
-    assert proxy.state.writer._child.proc.pid != first
+    assert proxy.state.writer.runner.child.proc.pid != first
     assert _metric(httpx.get(f"{proxy.url}/metrics").text, "rlproxy_writer_restarts_total") == 1.0
     assert proxy.query(
         "SELECT run_id, count(*), min(seq), max(seq) FROM completions GROUP BY run_id ORDER BY 1"

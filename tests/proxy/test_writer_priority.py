@@ -55,7 +55,7 @@ def _reward(proxy, prefix: str) -> None:
 
 def _policy(proxy) -> int:
     """The writer process's policy, the same on each of its threads."""
-    pid = proxy.state.writer._child.proc.pid
+    pid = proxy.state.writer.runner.child.proc.pid
     (policy,) = {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
     return policy
 
@@ -69,14 +69,14 @@ def _metric(proxy, name: str) -> float:
 
 def _pid(proxy) -> int | None:
     """The writer process's pid (None while a replacement is being started)."""
-    child = proxy.state.writer._child
+    child = proxy.state.writer.runner.child
     return child.proc.pid if child is not None and child.proc is not None else None
 
 
 def _next_child(proxy, first: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:  # the writer replaces a dead process (storage/writer.py)
-        child = proxy.state.writer._child
+        child = proxy.state.writer.runner.child
         if _pid(proxy) not in (None, first) and child.connected:
             return
         time.sleep(0.05)
@@ -89,7 +89,7 @@ def test_the_writer_process_runs_idle_by_default_and_after_a_restart(make_proxy,
     _reward(proxy, "idle")
     assert _policy(proxy) == os.SCHED_IDLE
     assert _metric(proxy, "rlproxy_writer_idle_priority") == 1.0
-    first = proxy.state.writer._child.proc.pid
+    first = proxy.state.writer.runner.child.proc.pid
     os.kill(first, signal.SIGKILL)
     _next_child(proxy, first)
     _chat(proxy, "again")
@@ -176,7 +176,7 @@ def test_a_starved_idle_writer_goes_to_normal_priority_and_back(make_proxy, stub
     raise it: root with CAP_SYS_NICE; else replaced), stores everything, each row once, and is put
     back at idle priority once its time at the normal one is over."""
     proxy = make_proxy(stub.url)
-    proxy.state.writer.idle_again_s = 2.0  # (60 s by default)
+    proxy.state.writer.runner.idle_again_s = 2.0  # (60 s by default)
     _chat(proxy, "before")
     proxy.flush()
     assert _policy(proxy) == os.SCHED_IDLE
@@ -200,16 +200,16 @@ def test_a_starved_writer_that_cannot_be_raised_is_replaced(make_proxy, stub, mo
     def unprivileged(self, idle: bool) -> bool:
         return set_idle(self, idle) if idle else False
 
-    async def slow_spawn(self, recipe: dict) -> None:
+    async def slow_spawn(self, recipe: dict, link) -> None:
         spawned.append(1)
         if len(spawned) > 1:  # the replacement, not the first one
             await asyncio.sleep(3.0)
-        await spawn(self, recipe)
+        await spawn(self, recipe, link)
 
     monkeypatch.setattr(WriterProcess, "set_idle", unprivileged)
     monkeypatch.setattr(WriterProcess, "spawn", slow_spawn)
     proxy = make_proxy(stub.url)
-    proxy.state.writer.idle_again_s = 2.0
+    proxy.state.writer.runner.idle_again_s = 2.0
     _chat(proxy, "before")
     proxy.flush()
     _starved_then_idle_again(proxy, _pid(proxy), replaced=True)
@@ -221,7 +221,7 @@ def test_a_locked_store_is_not_starvation(make_proxy, stub) -> None:
     proxy = make_proxy(stub.url)
     _chat(proxy, "first")
     proxy.flush()
-    first = proxy.state.writer._child.proc.pid
+    first = proxy.state.writer.runner.child.proc.pid
     holder = sqlite3.connect(proxy.db_path, timeout=30)
     try:
         holder.execute("BEGIN IMMEDIATE")  # the writer's transactions wait for it (busy timeout)
@@ -232,7 +232,7 @@ def test_a_locked_store_is_not_starvation(make_proxy, stub) -> None:
         holder.rollback()
         holder.close()
     proxy.flush()
-    assert proxy.state.writer._child.proc.pid == first
+    assert proxy.state.writer.runner.child.proc.pid == first
     assert _policy(proxy) == os.SCHED_IDLE
     assert proxy.query("SELECT count(*) FROM completions") == [(8,)]
 

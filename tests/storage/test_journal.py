@@ -142,11 +142,11 @@ async def test_replay_stores_every_record_once(engine: AsyncEngine, tmp_path: Pa
     for i in range(3):
         w1.submit(rec("r", i))
     await w1.flush()
-    w1._task.cancel()  # the writer stops committing...
+    w1.runner.task.cancel()  # the writer stops committing...
     for i in range(3, 5):
         w1.submit(rec("r", i))
     _die(j1)  # ...and the process is killed
-    await w1._discard_conn()
+    await w1.runner.discard_conn()
     assert await _rows(engine, "SELECT count(*) FROM completions") == [(3,)]
 
     w2 = Writer(engine, flush_interval=0, journal=Journal(tmp_path / "j"))

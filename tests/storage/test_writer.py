@@ -16,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.errors import StorageError
-from rlproxy.storage import writer as writer_module
+from rlproxy.storage import runner as runner_module
 from rlproxy.storage.db import create_engine, sqlite_path
 from rlproxy.storage.errors import RewardConflict, RunNotFound, StoreUnavailable
 from rlproxy.storage.records import CompletionRecord
@@ -115,8 +115,8 @@ async def test_a_reward_that_finds_the_writer_idle_is_committed_at_once(
     not wait for a batch (with the waits made 30 s, the old writer took 30 s). One that comes right
     after a commit (clients posting rewards back to back) waits until that commit is REWARD_GAP_S
     old; one after a pause, not at all."""
-    monkeypatch.setattr(writer_module, "REWARD_WAIT_S", 30.0)
-    monkeypatch.setattr(writer_module, "REWARD_GAP_S", 1.5)
+    monkeypatch.setattr(runner_module, "REWARD_WAIT_S", 30.0)
+    monkeypatch.setattr(runner_module, "REWARD_GAP_S", 1.5)
     w = Writer(engine, flush_interval=30.0)
     await w.start()
     for run in ("a", "b"):
@@ -141,7 +141,7 @@ async def test_a_reward_ends_a_batch_of_its_own_runs_turns_at_once(
     """An app that waits for each answer, then posts the reward: nothing else is coming to share the
     transaction, so the reward does not wait for the batch (30 s here). Another run's turn in the
     batch: it waits, as a reward under load does."""
-    monkeypatch.setattr(writer_module, "REWARD_WAIT_S", 30.0)
+    monkeypatch.setattr(runner_module, "REWARD_WAIT_S", 30.0)
     w = Writer(engine, flush_interval=30.0)
     await w.start()
     w.submit(rec("a"))
@@ -294,7 +294,7 @@ async def test_a_refused_record_does_not_delay_another_tenants_batch(
     async def sleep(delay: float, *args: object) -> object:
         # the writer's own sleeps only: asyncio.sleep is patched process-wide, and other tests'
         # servers may still be polling on their background loops
-        if delay > 0 and sys._getframe(1).f_globals.get("__name__") == "rlproxy.storage.writer":
+        if delay > 0 and sys._getframe(1).f_globals.get("__name__") == "rlproxy.storage.runner":
             backoffs.append(delay)
         return await real_sleep(delay, *args)
 

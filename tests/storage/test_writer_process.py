@@ -41,6 +41,7 @@ from test_writer import (  # noqa: F401  (collected again here, every writer in 
 from rlproxy.storage.db import create_engine, sqlite_path
 from rlproxy.storage.journal import Journal
 from rlproxy.storage.writer import Writer
+from rlproxy.storage.writer_process import ProcessRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,8 +59,8 @@ def _in_a_process(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(Writer, "__init__", in_a_process)
     yield
-    assert made and all(w._recipe is not None for w in made)
-    assert all(w._child is not None and w._child.returncode() == 0 for w in made if w._closed)
+    assert made and all(isinstance(w.runner, ProcessRunner) for w in made)
+    assert all(w.runner.child is not None and w.runner.child.returncode() == 0 for w in made if w._closed)
 
 
 async def test_a_killed_writer_process_is_replaced_and_nothing_is_lost_or_stored_twice(
@@ -67,7 +68,7 @@ async def test_a_killed_writer_process_is_replaced_and_nothing_is_lost_or_stored
 ) -> None:
     w = Writer(engine, flush_interval=0.01, max_batch=16)
     await w.start()
-    first = w._child.proc.pid
+    first = w.runner.child.proc.pid
     outcomes = []
     for i in range(300):
         w.submit(rec(f"r{i % 10}", i))
@@ -78,7 +79,7 @@ async def test_a_killed_writer_process_is_replaced_and_nothing_is_lost_or_stored
         await asyncio.sleep(0.001)
     assert await asyncio.gather(*outcomes) == [True] * 10
     await w.close()
-    assert w._child.proc.pid != first and w.restarts == 1
+    assert w.runner.child.proc.pid != first and w.restarts == 1
     assert w.dropped == 0 and w.depth == 0
     got = await rows(engine, "SELECT run_id, seq FROM completions ORDER BY run_id, seq")
     assert len(got) == 300  # once each, though everything unsettled was sent again
@@ -152,7 +153,7 @@ async def main():
     for i in range(50):
         w.submit(rec("r", i))
     await asyncio.sleep(0.3)
-    print(w._child.proc.pid, flush=True)
+    print(w.runner.child.proc.pid, flush=True)
     await asyncio.sleep(60)
 
 asyncio.run(main())
