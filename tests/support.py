@@ -9,12 +9,17 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sqlite3
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
+
+from rlproxy.settings import Settings
 
 
 def require(ok: object, why: str) -> None:
@@ -31,6 +36,47 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rows(db: Path, sql: str, *params: Any) -> list[tuple]:
+    """The rows of `sql` on the SQLite file `db`, read-only (beside a running writer)."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return con.execute(sql, params).fetchall()
+    finally:
+        con.close()
+
+
+def tiny_settings(tiny_model_dir: Path, tmp_path: Path, **fields: Any) -> Settings:
+    """`serve`'s settings (trainer on) on the tiny model, kept in one test's folder: the store
+    `tmp_path/rlproxy.db`, checkpoints in `tmp_path/ck`, a free loopback port, one thread each."""
+    values: dict[str, Any] = {
+        "model": str(tiny_model_dir),
+        "db_url": f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}",
+        "port": free_port(),
+        "train": True,
+        "checkpoint_dir": str(tmp_path / "ck"),
+        "train_threads": 1,
+        "engine_threads": 1,
+    }
+    return Settings(**(values | fields))
+
+
+@asynccontextmanager
+async def uvicorn_serving(app: Any, port: int, start_timeout: float = 60.0) -> AsyncIterator[str]:
+    """`app` under a real uvicorn server on 127.0.0.1:`port`; yields its base URL (without /v1)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(int(start_timeout / 0.05)):
+            if server.started or task.done():
+                break
+            await asyncio.sleep(0.05)
+        assert server.started, "the server exited during startup"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 60)
 
 
 class LoopThread:
