@@ -11,10 +11,10 @@ import os
 import socket
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import uvicorn
@@ -62,6 +62,15 @@ def tiny_settings(tiny_model_dir: Path, tmp_path: Path, **fields: Any) -> Settin
     return Settings(**(values | fields))
 
 
+async def wait_for(predicate: Callable[[], Any], timeout: float = 120.0, what: str = "the condition") -> None:
+    """Poll `predicate` every 50 ms until it is true; fail after `timeout` seconds."""
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
 @asynccontextmanager
 async def uvicorn_serving(app: Any, port: int, start_timeout: float = 60.0) -> AsyncIterator[str]:
     """`app` under a real uvicorn server on 127.0.0.1:`port`; yields its base URL (without /v1)."""
@@ -93,6 +102,20 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+S = TypeVar("S")
+
+
+@contextmanager
+def running(loop_thread: LoopThread, server: S) -> Iterator[S]:
+    """`server` (anything with async `start()` and `stop()`: a stub upstream) started on the loop
+    thread until the block ends."""
+    loop_thread.run(server.start())  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        loop_thread.run(server.stop())  # type: ignore[attr-defined]
 
 
 def make_lora(

@@ -20,21 +20,13 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from support import rows, tiny_settings, uvicorn_serving
+from support import rows, tiny_settings, uvicorn_serving, wait_for
 
 from rlproxy.compose import build_app
 
 pytestmark = pytest.mark.vllm
 
 REWARDS = [1.0, 0.0, 0.5, 0.25]  # one group of 4, varied: a real gradient
-
-
-async def _wait_for(predicate, timeout: float, what: str) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 async def test_step_one_is_loaded_in_vllm_and_serves_the_next_request(
@@ -74,7 +66,7 @@ async def test_step_one_is_loaded_in_vllm_and_serves_the_next_request(
                     assert resp.status_code == 200, resp.text
 
                 # the trainer polls, trains one step, loads tiny@1 into vLLM, commits, flips the alias
-                await _wait_for(
+                await wait_for(
                     lambda: rows(db, "SELECT count(*) FROM training_steps")[0][0] > 0,
                     300,
                     "the training step",
@@ -97,7 +89,7 @@ async def test_step_one_is_loaded_in_vllm_and_serves_the_next_request(
                 assert step == "1"
                 after = f"after-{attempt}"
                 sql = "SELECT adapter, policy_step, status, token_ids FROM completions WHERE run_id = ?"
-                await _wait_for(lambda: rows(db, sql, after), 30, "the completion row")  # the writer batches
+                await wait_for(lambda: rows(db, sql, after), 30, "the completion row")  # the writer batches
                 ((stored_adapter, policy_step, status, token_ids),) = rows(db, sql, after)
     finally:
         await _unload(vllm_backend, adapter)

@@ -24,21 +24,13 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from support import free_port, rows, tiny_settings, uvicorn_serving
+from support import free_port, rows, tiny_settings, uvicorn_serving, wait_for
 
 from rlproxy.compose import build_app
 from rlproxy.inference.embedded import EmbeddedBackend
 from rlproxy.storage.training import ready_groups
 from rlproxy.trainer.judge import Judge, JudgeConfig
 from rlproxy.trainer.judge_prompt import JudgeOutputError, parse_scores, render_trajectory
-
-
-async def wait_for(check, seconds: float = 120.0) -> None:
-    for _ in range(int(seconds * 10)):
-        if check():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("timed out waiting")
 
 
 class StubJudge:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,6 @@ from support import rows, tiny_settings
 
 import rlproxy.trainer.service as service_module
 from rlproxy.inference.embedded import EmbeddedBackend
-from rlproxy.settings import Settings
 from rlproxy.trainer import scorers
 from rlproxy.trainer.scorers import ScoreRequest, ScorerError, check_scores
 from rlproxy.trainer.step import StepResult, train_step
@@ -100,11 +100,16 @@ def _stand_in_step(
     return StepResult(num_groups=1, num_runs=len(runs), num_tokens=1, mean_reward=0.5, loss=0.0, metrics={})
 
 
-def _settings(tiny_model_dir: Path, tmp_path: Path, **fields: Any) -> Settings:
-    """The shadow tests' `serve`: trainer on, quick polls, an adapter unloaded 0.2 s after its last use."""
-    return tiny_settings(
+@asynccontextmanager
+async def _serving(tiny_model_dir: Path, tmp_path: Path, **fields: Any) -> AsyncIterator[tuple[Any, str]]:
+    """`serve` (trainer on, quick polls, an adapter unloaded 0.2 s after its last use) on its own
+    engine: an HTTP client on it and the policy it serves."""
+    settings = tiny_settings(
         tiny_model_dir, tmp_path, poll_interval=0.1, policy_poll_interval=0.1, unload_grace=0.2, **fields
     )
+    backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
+    async with serving(settings, backend) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
+        yield http, backend.served_model
 
 
 async def _ask(http: httpx.AsyncClient, policy: str, text: str, run_id: str | None) -> tuple[int, Any]:
@@ -142,7 +147,8 @@ async def test_an_honest_step_passes_and_a_worse_one_never_serves(
     PLAN[:] = ["honest", "worse", "honest"]
     BUILT_FROM.clear()
     db = tmp_path / "rlproxy.db"
-    settings = _settings(
+    served: list[tuple[float, int]] = []  # (time, X-Policy-Step) of every app request
+    async with _serving(
         tiny_model_dir,
         tmp_path,
         group_size=4,
@@ -150,11 +156,7 @@ async def test_an_honest_step_passes_and_a_worse_one_never_serves(
         shadow_prompts=8,
         shadow_margin=0.05,
         scorer="checks",
-    )
-    backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
-    served: list[tuple[float, int]] = []  # (time, X-Policy-Step) of every app request
-    async with serving(settings, backend) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
-        policy = backend.served_model
+    ) as (http, policy):
 
         async def ask(text: str, run_id: str | None = None) -> int:
             step, _ = await _ask(http, policy, text, run_id)
@@ -233,7 +235,7 @@ async def test_a_step_trained_on_inverted_rewards_is_stopped(
     PLAN[:] = ["half"]  # then real steps
     BUILT_FROM.clear()
     db = tmp_path / "rlproxy.db"
-    settings = _settings(
+    async with _serving(
         tiny_model_dir,
         tmp_path,
         group_size=8,
@@ -242,10 +244,7 @@ async def test_a_step_trained_on_inverted_rewards_is_stopped(
         shadow_prompts=16,
         shadow_margin=0.05,
         scorer="checks",
-    )
-    backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
-    async with serving(settings, backend) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
-        policy = backend.served_model
+    ) as (http, policy):
 
         async def ask(text: str, run_id: str | None = None) -> tuple[int, str]:
             step, body = await _ask(http, policy, text, run_id)
@@ -314,7 +313,7 @@ async def test_a_scorer_failure_holds_the_step_back_then_retries(
     FAILS.clear()
     FAILS.update({1: 1, 2: 1000})
     db = tmp_path / "rlproxy.db"
-    settings = _settings(
+    async with _serving(
         tiny_model_dir,
         tmp_path,
         group_size=4,
@@ -322,10 +321,7 @@ async def test_a_scorer_failure_holds_the_step_back_then_retries(
         shadow_prompts=4,
         scorer_timeout=0.5,  # also the wait before a check is tried again
         scorer_max_attempts=3,
-    )
-    backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
-    async with serving(settings, backend) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
-        policy = backend.served_model
+    ) as (http, policy):
 
         async def ask(text: str, run_id: str | None = None) -> int:
             return (await _ask(http, policy, text, run_id))[0]
