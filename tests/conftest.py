@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import LoopThread, require
+from support import LoopThread, require, running
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RLPROXY_CACHE_DIR", ROOT / ".cache" / "rlproxy"))
@@ -28,6 +28,15 @@ def loop_thread() -> Iterator[LoopThread]:
     lt = LoopThread()
     yield lt
     lt.close()
+
+
+@pytest.fixture
+def stub(loop_thread: LoopThread) -> Iterator[Any]:
+    """A plain-asyncio upstream that answers like vLLM (tests/stub_upstream.py)."""
+    from stub_upstream import StubUpstream
+
+    with running(loop_thread, StubUpstream()) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,17 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sqlite3
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
+import uvicorn
+
+from rlproxy.settings import Settings
 
 
 def require(ok: object, why: str) -> None:
@@ -33,6 +38,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rows(db: Path, sql: str, *params: Any) -> list[tuple]:
+    """The rows of `sql` on the SQLite file `db`, read-only (beside a running writer)."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return con.execute(sql, params).fetchall()
+    finally:
+        con.close()
+
+
+def tiny_settings(tiny_model_dir: Path, tmp_path: Path, **fields: Any) -> Settings:
+    """`serve`'s settings (trainer on) on the tiny model, kept in one test's folder: the store
+    `tmp_path/rlproxy.db`, checkpoints in `tmp_path/ck`, a free loopback port, one thread each."""
+    values: dict[str, Any] = {
+        "model": str(tiny_model_dir),
+        "db_url": f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}",
+        "port": free_port(),
+        "train": True,
+        "checkpoint_dir": str(tmp_path / "ck"),
+        "train_threads": 1,
+        "engine_threads": 1,
+    }
+    return Settings(**(values | fields))
+
+
+async def wait_for(predicate: Callable[[], Any], timeout: float = 120.0, what: str = "the condition") -> None:
+    """Poll `predicate` every 50 ms until it is true; fail after `timeout` seconds."""
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@asynccontextmanager
+async def uvicorn_serving(app: Any, port: int, start_timeout: float = 60.0) -> AsyncIterator[str]:
+    """`app` under a real uvicorn server on 127.0.0.1:`port`; yields its base URL (without /v1)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(int(start_timeout / 0.05)):
+            if server.started or task.done():
+                break
+            await asyncio.sleep(0.05)
+        assert server.started, "the server exited during startup"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 60)
+
+
 class LoopThread:
     """An asyncio loop on a daemon thread; `run(coro)` blocks until the coroutine is done."""
 
@@ -47,6 +102,20 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+S = TypeVar("S")
+
+
+@contextmanager
+def running(loop_thread: LoopThread, server: S) -> Iterator[S]:
+    """`server` (anything with async `start()` and `stop()`: a stub upstream) started on the loop
+    thread until the block ends."""
+    loop_thread.run(server.start())  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        loop_thread.run(server.stop())  # type: ignore[attr-defined]
 
 
 def make_lora(

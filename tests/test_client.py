@@ -21,16 +21,6 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
-def stub(loop_thread: Any) -> Iterator[Any]:
-    from stub_upstream import StubUpstream
-
-    s = StubUpstream()
-    loop_thread.run(s.start())
-    yield s
-    loop_thread.run(s.stop())
-
-
-@pytest.fixture
 def serve(loop_thread: Any, stub: Any, tmp_path: Path) -> Iterator[Callable[..., ProxyServer]]:
     """serve(**settings) -> a started proxy in front of the stub, on a database of its own."""
     from rlproxy.compose import build_app

@@ -1,5 +1,5 @@
-"""CLI fixtures: the proxy tests' stub upstream and proxy factory (tests/proxy/conftest.py), shared
-so that CLI tests can fill a store through a real proxy."""
+"""CLI fixtures: the proxy tests' proxy factory (tests/proxy/conftest.py), shared so that CLI tests can
+fill a store through a real proxy (in front of tests/conftest.py's stub upstream)."""
 
 from __future__ import annotations
 
@@ -15,5 +15,4 @@ assert _spec is not None and _spec.loader is not None
 _proxy_conftest = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_proxy_conftest)
 
-stub = _proxy_conftest.stub
 make_proxy = _proxy_conftest.make_proxy

@@ -25,6 +25,17 @@ def _one_error_line(out: Any) -> str:
     return lines[0]
 
 
+def _sft_result(step: int) -> dict[str, Any]:
+    """What `run_sft` returns for a step (the fakes below stand in for the training)."""
+    return {
+        "step": step,
+        "loss/total": 1.0,
+        "sft/token_accuracy": 0.5,
+        "sft/examples": 1,
+        "adapter_path": "x",
+    }
+
+
 def test_busy_port_is_one_line_before_anything_loads(tmp_path):
     db = sample_db(tmp_path / "s.db")
     with socket.socket() as taken:
@@ -84,13 +95,7 @@ def test_sft_takes_the_base_model_from_the_checkpoint(tmp_path, monkeypatch, tin
 
     async def fake_sft(settings: Any, *_: Any, **__: Any) -> dict[str, Any]:
         seen.append(settings.model)
-        return {
-            "step": 4,
-            "loss/total": 1.0,
-            "sft/token_accuracy": 0.5,
-            "sft/examples": 1,
-            "adapter_path": "x",
-        }
+        return _sft_result(4)
 
     monkeypatch.setattr(processes, "run_sft", fake_sft)
     chats = tmp_path / "c.jsonl"
@@ -126,13 +131,7 @@ def test_sft_into_a_name_outside_the_checkpoint_folder_is_refused(tmp_path, monk
 
     async def fake_sft(*args: Any, **kwargs: Any) -> dict[str, Any]:
         ran.append(kwargs)
-        return {
-            "step": 1,
-            "loss/total": 1.0,
-            "sft/token_accuracy": 0.5,
-            "sft/examples": 1,
-            "adapter_path": "x",
-        }
+        return _sft_result(1)
 
     monkeypatch.setattr(processes, "run_sft", fake_sft)
     chats = tmp_path / "c.jsonl"

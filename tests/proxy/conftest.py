@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from proxy_helpers import LoopThread, ProxyServer, make_lora
+from support import running
 
 
 @pytest.fixture(scope="session")
@@ -23,14 +24,12 @@ def engine_backend(embedded_backend: Any) -> Any:
 
 
 @pytest.fixture
-def stub(loop_thread: LoopThread) -> Iterator[Any]:
-    """A plain-asyncio upstream that answers like vLLM (tests/stub_upstream.py)."""
-    from stub_upstream import StubUpstream
+def tool_stub(loop_thread: LoopThread) -> Iterator[Any]:
+    """An upstream that answers every chat request with a get_weather call (tests/proxy/fakes.py)."""
+    from fakes import ToolStub
 
-    s = StubUpstream()
-    loop_thread.run(s.start())
-    yield s
-    loop_thread.run(s.stop())
+    with running(loop_thread, ToolStub()) as s:
+        yield s
 
 
 @pytest.fixture

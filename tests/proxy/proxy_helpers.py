@@ -6,6 +6,7 @@ A module of its own (not conftest.py) so tests can import it by a unique name.
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,25 @@ from typing import Any
 from support import LoopThread, free_port, make_lora  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def completion_rows(proxy: Any, where: str = "1=1", *params: Any) -> list[dict]:
+    """The `completions` rows `where` holds (in id order) as dicts, their JSON columns parsed."""
+    cols = (
+        "run_id, seq, endpoint, stream, request, response, prompt_token_ids, token_ids, logprobs, "
+        "finish_reason, status, status_code, error, response_id, client_request, client_response, "
+        "prompt_tokens, completion_tokens"
+    )
+    names = [c.strip() for c in cols.split(",")]
+    json_cols = ("request", "response", "prompt_token_ids", "token_ids", "logprobs")
+    out = []
+    for row in proxy.query(f"SELECT {cols} FROM completions WHERE {where} ORDER BY id", *params):
+        d = dict(zip(names, row, strict=True))
+        for k in (*json_cols, "client_request", "client_response"):
+            if isinstance(d[k], str):
+                d[k] = json.loads(d[k])
+        out.append(d)
+    return out
 
 
 class ProxyServer:

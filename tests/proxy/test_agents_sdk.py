@@ -18,20 +18,17 @@ import asyncio
 import json
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from openai import AsyncOpenAI
 from readme_blocks import blocks
-from support import free_port
+from support import rows, tiny_settings, uvicorn_serving, wait_for
 from tool_adapter import ANSWER, CACHE_NAME, TOOL_CALL, make_tool_checkpoint
 
 from rlproxy.compose import build_app
@@ -71,56 +68,16 @@ def tool_checkpoint(tiny_model_dir: Path, cache_dir: Path) -> Path:
     return make_tool_checkpoint(tiny_model_dir, cache_dir / CACHE_NAME, POLICY)
 
 
-def rows(db: Path, sql: str, *params: Any) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql, params).fetchall()
-    finally:
-        con.close()
-
-
-async def _wait_for(predicate, timeout: float, what: str) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-@asynccontextmanager
-async def serving(settings: Settings, backend: Any = None) -> AsyncIterator[str]:
+def serving(settings: Settings, backend: Any = None) -> AbstractAsyncContextManager[str]:
     """`build_app` under uvicorn on settings.port; yields the base URL (without /v1)."""
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(settings, backend), host="127.0.0.1", port=settings.port, log_level="warning"
-        )
-    )
-    task = asyncio.create_task(server.serve())
-    try:
-        await _wait_for(lambda: server.started or task.done(), 300, "the proxy to start")
-        assert server.started, "the proxy exited during startup"
-        yield f"http://127.0.0.1:{settings.port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 60)
+    return uvicorn_serving(build_app(settings, backend), settings.port, start_timeout=300)
 
 
 def _settings(tmp_path: Path, tiny_model_dir: Path, tool_checkpoint: Path, **extra: Any) -> Settings:
     ck = tmp_path / "ck"
     shutil.copytree(tool_checkpoint.parent.parent, ck)  # the trainer writes step 2 next to it
-    return Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}",
-        port=free_port(),
-        train=True,
-        group_size=2,
-        groups_per_step=1,
-        poll_interval=0.1,
-        learning_rate=1e-3,
-        checkpoint_dir=str(ck),
-        train_threads=1,
-        **extra,
-    )
+    values = {"engine_threads": None, "group_size": 2, "groups_per_step": 1, "poll_interval": 0.1}
+    return tiny_settings(tiny_model_dir, tmp_path, **(values | {"learning_rate": 1e-3} | extra))
 
 
 def _use_proxy(base: str, run_id: str) -> AsyncOpenAI:
@@ -162,7 +119,7 @@ async def _check_stored(db: Path, run_id: str, tokenizer: Any, step: int) -> Non
         "SELECT status, policy_step, adapter, token_ids, logprobs, prompt_token_ids FROM completions "
         "WHERE run_id = ? ORDER BY seq"
     )
-    await _wait_for(lambda: len(rows(db, sql, run_id)) >= 2, 30, "the writer")  # it batches
+    await wait_for(lambda: len(rows(db, sql, run_id)) >= 2, 30, "the writer")  # it batches
     got = rows(db, sql, run_id)
     assert [r[:3] for r in got] == [("ok", step, f"{POLICY}@{step}")] * 2, [r[:3] for r in got]
     texts = []
@@ -197,7 +154,7 @@ async def agent_episodes_train_and_publish(base: str, db: Path, tokenizer: Any) 
             await _check_stored(db, run_id, tokenizer, step=1)
             resp = await http.post(f"/v1/runs/{run_id}/reward", json={"reward": reward})
             assert resp.status_code == 200, resp.text
-        await _wait_for(lambda: rows(db, "SELECT max(step) FROM training_steps")[0][0] == 2, 300, "step 2")
+        await wait_for(lambda: rows(db, "SELECT max(step) FROM training_steps")[0][0] == 2, 300, "step 2")
 
     # the next request of the app is served by the adapter the step published
     client = _use_proxy(base, "agent-after")
@@ -263,7 +220,7 @@ async def test_the_readme_agents_example_runs_unchanged(
             "SELECT r.id, r.reward, count(c.id) FROM runs r JOIN completions c ON c.run_id = r.id "
             "GROUP BY r.id"
         )
-        await _wait_for(lambda: rows(db, sql) and rows(db, sql)[0][2] == 2, 30, "the episode's rows")
+        await wait_for(lambda: rows(db, sql) and rows(db, sql)[0][2] == 2, 30, "the episode's rows")
     ((run_id, reward, turns),) = rows(db, sql)
     assert run_id.startswith("episode-") and reward == 1.0 and turns == 2
 

@@ -9,19 +9,18 @@ use a stub upstream answering with vLLM-shaped tool calls (the test is about the
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from typing import Any
 
 import anthropic
 import httpx
 import openai
-import orjson
 import pytest
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
+from fakes import BreakingStub, ToolStub
+from proxy_helpers import completion_rows as rows
 from pydantic import TypeAdapter
-from stub_upstream import StubUpstream
+from support import running
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
 HI = [{"role": "user", "content": "hi"}]
@@ -35,31 +34,6 @@ WEATHER = {
 def client(base: str, run_id: str | None = None, **kw: Any) -> anthropic.Anthropic:
     headers = {"X-Run-Id": run_id} if run_id else None
     return anthropic.Anthropic(base_url=base, api_key="x", default_headers=headers, max_retries=0, **kw)
-
-
-def rows(proxy: Any, where: str = "1=1", *params: Any) -> list[dict]:
-    cols = (
-        "run_id, seq, endpoint, stream, request, response, prompt_token_ids, token_ids, logprobs, "
-        "finish_reason, status, status_code, error, response_id, client_request, client_response, "
-        "prompt_tokens, completion_tokens"
-    )
-    names = [c.strip() for c in cols.split(",")]
-    out = []
-    for row in proxy.query(f"SELECT {cols} FROM completions WHERE {where} ORDER BY id", *params):
-        d = dict(zip(names, row, strict=True))
-        for k in (
-            "request",
-            "response",
-            "prompt_token_ids",
-            "token_ids",
-            "logprobs",
-            "client_request",
-            "client_response",
-        ):
-            if isinstance(d[k], str):
-                d[k] = json.loads(d[k])
-        out.append(d)
-    return out
 
 
 def sse_events(text: str) -> list[tuple[str, dict]]:
@@ -424,86 +398,6 @@ def test_limits_apply_in_anthropics_shape(make_proxy: Any, stub: Any) -> None:
 # Tool calls out of the model: a stub upstream that answers with vLLM-shaped tool calls
 
 
-class ToolStub(StubUpstream):
-    """Answers every chat request with a text prefix and one get_weather call (vLLM's shapes); keeps
-    the bodies it got."""
-
-    CALL = {
-        "id": "chatcmpl-tool-abc",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-    }
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bodies: list[dict] = []
-
-    def _full(self, req: dict, chat: bool) -> dict:
-        self.bodies.append(req)
-        out = super()._full(req, chat)
-        choice = out["choices"][0]
-        choice["message"] = {"role": "assistant", "content": "Checking.", "tool_calls": [self.CALL]}
-        choice["finish_reason"] = "tool_calls"
-        return out
-
-    async def _stream(self, req: dict, chat: bool, delay: float, w: asyncio.StreamWriter) -> None:
-        self.bodies.append(req)
-        head = {
-            "id": "chatcmpl-s",
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": req["model"],
-        }
-        ids = bool(req.get("return_token_ids"))
-        lp = {"content": [{"token": "x", "logprob": -0.25, "bytes": None, "top_logprobs": []}]}
-
-        def chunk(delta: dict, tok: int, finish: str | None = None) -> dict:
-            c = {
-                "index": 0,
-                "delta": delta,
-                "logprobs": lp if req.get("logprobs") else None,
-                "finish_reason": finish,
-            }
-            c["token_ids"] = [tok] if ids else None
-            return {**head, "choices": [c]}
-
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        first = {
-            **head,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-        }
-        first["prompt_token_ids"] = [1, 2, 3] if ids else None
-        fn = self.CALL["function"]
-        call = {
-            "index": 0,
-            "id": self.CALL["id"],
-            "type": "function",
-            "function": {"name": fn["name"], "arguments": ""},
-        }
-        events = [
-            first,
-            chunk({"content": "Checking."}, 10),
-            chunk({"tool_calls": [call]}, 11),
-            chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}, 12),
-            chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}, 13),
-            chunk({}, 14, "tool_calls"),
-            {**head, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}},
-        ]
-        for e in events:
-            data = b"data: " + orjson.dumps(e) + b"\n\n"
-            w.write(b"%x\r\n%s\r\n" % (len(data), data))
-        data = b"data: [DONE]\n\n"
-        w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
-
-
-@pytest.fixture
-def tool_stub(loop_thread: Any) -> Any:
-    s = ToolStub()
-    loop_thread.run(s.start())
-    yield s
-    loop_thread.run(s.stop())
-
-
 def test_tool_round_trip(make_proxy: Any, tool_stub: ToolStub) -> None:
     """tool_use out (non-streamed and streamed, input_json_delta), tool_result back in: the chat
     form the upstream gets, and what the SDK's types make of every answer."""
@@ -591,25 +485,8 @@ def test_tool_round_trip(make_proxy: Any, tool_stub: ToolStub) -> None:
     assert stored[1]["client_response"]["content"][1]["input"] == {"city": "Oslo"}
 
 
-class BreakingStub(StubUpstream):
-    """Streams two chat chunks, then drops the connection (an upstream that died mid-answer)."""
-
-    async def _stream(self, req: dict, chat: bool, delay: float, w: asyncio.StreamWriter) -> None:
-        head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": req["model"]}
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        for text in ("Hel", "lo"):
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-            choice["token_ids"] = [7] if req.get("return_token_ids") else None
-            data = b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
-            w.write(b"%x\r\n%s\r\n" % (len(data), data))
-        await w.drain()
-        w.close()
-
-
 def test_upstream_breaking_mid_stream_ends_with_an_error_event(make_proxy: Any, loop_thread: Any) -> None:
-    stub = BreakingStub()
-    loop_thread.run(stub.start())
-    try:
+    with running(loop_thread, BreakingStub()) as stub:
         proxy = make_proxy(stub.url)
         r = httpx.post(
             f"{proxy.url}/v1/messages",
@@ -632,8 +509,6 @@ def test_upstream_breaking_mid_stream_ends_with_an_error_event(make_proxy: Any, 
                 list(s)
         row = rows(proxy, "run_id = 'broken'")[0]
         assert (row["status"], row["status_code"]) == ("error", 502) and row["token_ids"] == [[7, 7]]
-    finally:
-        loop_thread.run(stub.stop())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,10 +11,10 @@ import os
 import time
 from typing import Any
 
-import orjson
 import pytest
+from fakes import write_sse
+from proxy_helpers import completion_rows as rows
 from stub_upstream import StubUpstream
-from test_messages import rows
 
 agent_sdk = pytest.importorskip("claude_agent_sdk")
 TOOL = "mcp__wx__get_weather"
@@ -70,11 +70,7 @@ class AgentStub(StubUpstream):
         events.append(
             {**head, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
         )
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        for e in [*events, None]:
-            data = b"data: [DONE]\n\n" if e is None else b"data: " + orjson.dumps(e) + b"\n\n"
-            w.write(b"%x\r\n%s\r\n" % (len(data), data))
-        w.write(b"0\r\n\r\n")
+        write_sse(w, events)
 
 
 def test_claude_agent_sdk_agent_with_a_custom_tool(make_proxy: Any, loop_thread: Any, tmp_path: Any) -> None:

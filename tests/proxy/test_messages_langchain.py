@@ -7,10 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fakes import ToolStub
 from langchain_anthropic import ChatAnthropic
 from langchain_core.messages import AIMessageChunk, HumanMessage, ToolMessage
 from langchain_core.tools import tool
-from test_messages import ToolStub, rows
+from proxy_helpers import completion_rows as rows
+from support import running
 
 
 @tool
@@ -53,9 +55,8 @@ def test_invoke_and_stream_on_the_engine(engine_proxy: Any) -> None:
 def tool_stub(loop_thread: Any) -> Any:
     s = ToolStub()
     s.CALL = {**s.CALL, "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-    loop_thread.run(s.start())
-    yield s
-    loop_thread.run(s.stop())
+    with running(loop_thread, s):
+        yield s
 
 
 def test_bind_tools_round_trip(make_proxy: Any, tool_stub: ToolStub) -> None:

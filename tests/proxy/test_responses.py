@@ -9,16 +9,16 @@ translation). The OpenAI Agents SDK tests live in tests/proxy/test_agents_sdk.py
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
 
 import httpx
 import openai
-import orjson
 import pytest
-from stub_upstream import StubUpstream
+from fakes import BreakingStub, ToolStub
+from proxy_helpers import completion_rows as _rows
+from support import running
 
 WEATHER = {
     "type": "function",
@@ -31,31 +31,6 @@ WEATHER = {
 def _client(base: str, run_id: str | None = None, **kw: Any) -> openai.OpenAI:
     headers = {"X-Run-Id": run_id} if run_id else None
     return openai.OpenAI(base_url=f"{base}/v1", api_key="x", default_headers=headers, max_retries=0, **kw)
-
-
-def _rows(proxy: Any, where: str = "1=1", *params: Any) -> list[dict]:
-    cols = (
-        "run_id, seq, endpoint, stream, request, response, prompt_token_ids, token_ids, logprobs, "
-        "finish_reason, status, status_code, error, response_id, client_request, client_response, "
-        "prompt_tokens, completion_tokens"
-    )
-    names = [c.strip() for c in cols.split(",")]
-    out = []
-    for row in proxy.query(f"SELECT {cols} FROM completions WHERE {where} ORDER BY id", *params):
-        d = dict(zip(names, row, strict=True))
-        for k in (
-            "request",
-            "response",
-            "prompt_token_ids",
-            "token_ids",
-            "logprobs",
-            "client_request",
-            "client_response",
-        ):
-            if isinstance(d[k], str):
-                d[k] = json.loads(d[k])
-        out.append(d)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,82 +290,10 @@ def test_run_path_prefix_and_policy_pin(engine_proxy: Any) -> None:
 # Tool calls out of the model: a stub upstream that answers with vLLM-shaped tool calls
 
 
-class ToolStub(StubUpstream):
-    """Answers every chat request with a text prefix and one get_weather call (vLLM's shapes)."""
-
-    CALL = {
-        "id": "chatcmpl-tool-abc",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-    }
-
-    def _full(self, req: dict, chat: bool) -> dict:
-        out = super()._full(req, chat)
-        choice = out["choices"][0]
-        choice["message"] = {"role": "assistant", "content": "Checking.", "tool_calls": [self.CALL]}
-        choice["finish_reason"] = "tool_calls"
-        return out
-
-    async def _stream(self, req: dict, chat: bool, delay: float, w: asyncio.StreamWriter) -> None:
-        head = {
-            "id": "chatcmpl-s",
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": req["model"],
-        }
-        ids = bool(req.get("return_token_ids"))
-        lp = {"content": [{"token": "x", "logprob": -0.25, "bytes": None, "top_logprobs": []}]}
-
-        def chunk(delta: dict, tok: int, finish: str | None = None) -> dict:
-            c = {
-                "index": 0,
-                "delta": delta,
-                "logprobs": lp if req.get("logprobs") else None,
-                "finish_reason": finish,
-            }
-            c["token_ids"] = [tok] if ids else None
-            return {**head, "choices": [c]}
-
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        first = {
-            **head,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-        }
-        first["prompt_token_ids"] = [1, 2, 3] if ids else None
-        fn = self.CALL["function"]
-        events = [
-            first,
-            chunk({"content": "Checking."}, 10),
-            chunk(
-                {
-                    "tool_calls": [
-                        {
-                            "index": 0,
-                            "id": self.CALL["id"],
-                            "type": "function",
-                            "function": {"name": fn["name"], "arguments": ""},
-                        }
-                    ]
-                },
-                11,
-            ),
-            chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}, 12),
-            chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}, 13),
-            chunk({}, 14, "tool_calls"),
-        ]
-        for e in events:
-            data = b"data: " + orjson.dumps(e) + b"\n\n"
-            w.write(b"%x\r\n%s\r\n" % (len(data), data))
-        data = b"data: [DONE]\n\n"
-        w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
-
-
 @pytest.fixture
 def tool_stub(loop_thread: Any) -> Any:
-    s = ToolStub()
-    loop_thread.run(s.start())
-    yield s
-    loop_thread.run(s.stop())
+    with running(loop_thread, ToolStub(usage=False)) as stub:
+        yield stub
 
 
 def test_tool_call_answer_non_streamed_and_streamed(make_proxy: Any, tool_stub: ToolStub) -> None:
@@ -505,25 +408,8 @@ def test_rewarded_responses_runs_train_on_sampled_tokens_only(
 # Streams that end early
 
 
-class BreakingStub(StubUpstream):
-    """Streams two chat chunks, then drops the connection (an upstream that died mid-answer)."""
-
-    async def _stream(self, req: dict, chat: bool, delay: float, w: asyncio.StreamWriter) -> None:
-        head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": req["model"]}
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        for text in ("Hel", "lo"):
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-            choice["token_ids"] = [7] if req.get("return_token_ids") else None
-            data = b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
-            w.write(b"%x\r\n%s\r\n" % (len(data), data))
-        await w.drain()
-        w.close()
-
-
 def test_upstream_breaking_mid_stream_ends_with_response_failed(make_proxy: Any, loop_thread: Any) -> None:
-    stub = BreakingStub()
-    loop_thread.run(stub.start())
-    try:
+    with running(loop_thread, BreakingStub()) as stub:
         proxy = make_proxy(stub.url)
         with _client(proxy.url, "broken").responses.create(
             model="stub-model", input="x", stream=True
@@ -538,8 +424,6 @@ def test_upstream_breaking_mid_stream_ends_with_response_failed(make_proxy: Any,
         assert (row["status"], row["status_code"], row["response_id"]) == ("error", 502, None)
         assert row["token_ids"] == [[7, 7]] and row["client_response"]["status"] == "failed"
         assert "upstream stream broke" in row["error"]
-    finally:
-        loop_thread.run(stub.stop())
 
 
 def test_client_disconnect_cancels_and_stores_the_partial(make_proxy: Any, stub: Any) -> None:

@@ -9,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_helpers
 import pytest
-from storage_sample import fill_sample, run_sync
 
-from rlproxy.storage.db import create_engine, normalize_url, upgrade
 from rlproxy.storage.export import record
 
 RLPROXY = str(Path(sys.executable).parent / "rlproxy")
@@ -21,19 +20,7 @@ ALL_RUNS = ["a", "b", "c", "d", "e", "f"]  # the sample's runs, oldest first
 
 @pytest.fixture
 def sample_db(tmp_path: Path) -> Path:
-    path = tmp_path / "sample.db"
-    url = normalize_url(str(path))
-    upgrade(url)
-
-    async def fill() -> None:
-        engine = create_engine(url)
-        try:
-            await fill_sample(engine)
-        finally:
-            await engine.dispose()
-
-    run_sync(fill)
-    return path
+    return cli_helpers.sample_db(tmp_path / "sample.db")
 
 
 def export(db: Path, fmt: str, out: Path, *extra: str) -> subprocess.CompletedProcess:

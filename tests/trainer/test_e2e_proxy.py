@@ -10,55 +10,25 @@ engine with the tiny model, under a real uvicorn server on a loopback port.
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from pathlib import Path
 
 import httpx
-import uvicorn
 from openai import AsyncOpenAI
-from support import free_port
+from support import rows, tiny_settings, uvicorn_serving
 
 from rlproxy.compose import build_app
 from rlproxy.inference.embedded import EmbeddedBackend
-from rlproxy.settings import Settings
 from rlproxy.trainer.service import TrainerService
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 async def test_rewarded_groups_train_and_publish(tiny_model_dir: Path, tmp_path: Path) -> None:
     db = tmp_path / "rlproxy.db"
-    port = free_port()
-    settings = Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{db}",
-        port=port,
-        train=True,
-        group_size=4,
-        groups_per_step=2,
-        poll_interval=0.1,
-        learning_rate=1e-3,
-        checkpoint_dir=str(tmp_path / "ck"),
-        train_threads=1,
-        engine_threads=1,
+    settings = tiny_settings(
+        tiny_model_dir, tmp_path, group_size=4, groups_per_step=2, poll_interval=0.1, learning_rate=1e-3
     )
     backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
     app = build_app(settings, backend)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    try:
-        for _ in range(600):
-            if server.started:
-                break
-            assert not task.done(), "the proxy exited during startup"
-            await asyncio.sleep(0.05)
-        base = f"http://127.0.0.1:{port}"
+    async with uvicorn_serving(app, settings.port, start_timeout=30) as base:
         client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
         policy = backend.served_model
         # Z (all equal, skipped) goes first: once B's last reward is in, the step may be published
@@ -101,9 +71,6 @@ async def test_rewarded_groups_train_and_publish(tiny_model_dir: Path, tmp_path:
             engine_ptrs = {p.data_ptr() for p in backend.engine.adapters.base.parameters()}
             base_ptrs = {p.data_ptr() for n, p in learner.model.named_parameters() if ".lora_" not in n}
             assert base_ptrs and base_ptrs <= engine_ptrs
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 60)
     status = dict(rows(db, "SELECT id, status || ':' || coalesce(trained_step, '') FROM runs"))
     assert {status[f"{g}-{i}"] for g in "AB" for i in range(4)} == {"trained:1"}
     assert {status[f"Z-{i}"] for i in range(4)} == {"skipped:"}

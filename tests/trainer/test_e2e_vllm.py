@@ -19,99 +19,79 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from openai import AsyncOpenAI
-from support import free_port
-from test_e2e_proxy import rows  # same folder: pytest puts it on sys.path
+from support import rows, tiny_settings, uvicorn_serving, wait_for
 
 from rlproxy.compose import build_app
-from rlproxy.settings import Settings
 
 pytestmark = pytest.mark.vllm
 
 REWARDS = [1.0, 0.0, 0.5, 0.25]  # one group of 4, varied: a real gradient
 
 
-async def _wait_for(predicate, timeout: float, what: str) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 async def test_step_one_is_loaded_in_vllm_and_serves_the_next_request(
     vllm_backend, tiny_model_dir: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
     db = tmp_path / "rlproxy.db"
-    port = free_port()
-    settings = Settings(
+    settings = tiny_settings(
+        tiny_model_dir,  # the trainer's base weights: the same folder vLLM serves
+        tmp_path,
         backend="vllm",
         upstream=vllm_backend.base_url,  # attach: the session's server, never a second one
-        model=str(tiny_model_dir),  # the trainer's base weights: the same folder vLLM serves
         cache_dir=str(cache_dir),
-        db_url=f"sqlite+aiosqlite:///{db}",
-        port=port,
-        train=True,
+        engine_threads=None,
         group_size=4,
         groups_per_step=1,
         poll_interval=0.1,
         learning_rate=1e-3,
-        checkpoint_dir=str(tmp_path / "ck"),
-        train_threads=1,
     )
-    app = build_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
     policy = vllm_backend.served_model  # "tiny": the default policy is the served base model
     adapter = f"{policy}@1"
     try:
-        await _wait_for(lambda: server.started or task.done(), 120, "the proxy to start")
-        assert server.started, "the proxy exited during startup"
-        base = f"http://127.0.0.1:{port}"
-        client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
-            for i, reward in enumerate(REWARDS):
-                run_id = f"vllm-e2e-{i}"
-                raw = await client.chat.completions.with_raw_response.create(
-                    model=policy,
-                    messages=[{"role": "user", "content": "Say a word."}],
-                    max_tokens=4,
-                    temperature=1.0,
-                    seed=i,
-                    extra_headers={"X-Run-Id": run_id, "X-Group-Id": "g"},
-                )
-                assert raw.headers["x-policy-step"] == "0"
-                resp = await http.post(f"/v1/runs/{run_id}/reward", json={"reward": reward})
-                assert resp.status_code == 200, resp.text
+        async with uvicorn_serving(build_app(settings), settings.port, start_timeout=120) as base:
+            client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+            async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+                for i, reward in enumerate(REWARDS):
+                    run_id = f"vllm-e2e-{i}"
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model=policy,
+                        messages=[{"role": "user", "content": "Say a word."}],
+                        max_tokens=4,
+                        temperature=1.0,
+                        seed=i,
+                        extra_headers={"X-Run-Id": run_id, "X-Group-Id": "g"},
+                    )
+                    assert raw.headers["x-policy-step"] == "0"
+                    resp = await http.post(f"/v1/runs/{run_id}/reward", json={"reward": reward})
+                    assert resp.status_code == 200, resp.text
 
-            # the trainer polls, trains one step, loads tiny@1 into vLLM, commits, flips the alias
-            await _wait_for(
-                lambda: rows(db, "SELECT count(*) FROM training_steps")[0][0] > 0, 300, "the training step"
-            )
-            listed = httpx.get(f"{vllm_backend.base_url}/v1/models", timeout=30).json()["data"]
-            assert {m["id"]: m.get("parent") for m in listed}.get(adapter) == policy
-
-            step = None
-            for attempt in range(100):  # the alias flips right after the commit
-                raw = await client.chat.completions.with_raw_response.create(
-                    model=policy,
-                    messages=[{"role": "user", "content": "Say a word."}],
-                    max_tokens=4,
-                    extra_headers={"X-Run-Id": f"after-{attempt}"},
+                # the trainer polls, trains one step, loads tiny@1 into vLLM, commits, flips the alias
+                await wait_for(
+                    lambda: rows(db, "SELECT count(*) FROM training_steps")[0][0] > 0,
+                    300,
+                    "the training step",
                 )
-                step = raw.headers["x-policy-step"]
-                if step == "1":
-                    break
-                await asyncio.sleep(0.05)
-            assert step == "1"
-            after = f"after-{attempt}"
-            sql = f"SELECT adapter, policy_step, status, token_ids FROM completions WHERE run_id = '{after}'"
-            await _wait_for(lambda: rows(db, sql), 30, "the completion row")  # the writer batches
-            ((stored_adapter, policy_step, status, token_ids),) = rows(db, sql)
+                listed = httpx.get(f"{vllm_backend.base_url}/v1/models", timeout=30).json()["data"]
+                assert {m["id"]: m.get("parent") for m in listed}.get(adapter) == policy
+
+                step = None
+                for attempt in range(100):  # the alias flips right after the commit
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model=policy,
+                        messages=[{"role": "user", "content": "Say a word."}],
+                        max_tokens=4,
+                        extra_headers={"X-Run-Id": f"after-{attempt}"},
+                    )
+                    step = raw.headers["x-policy-step"]
+                    if step == "1":
+                        break
+                    await asyncio.sleep(0.05)
+                assert step == "1"
+                after = f"after-{attempt}"
+                sql = "SELECT adapter, policy_step, status, token_ids FROM completions WHERE run_id = ?"
+                await wait_for(lambda: rows(db, sql, after), 30, "the completion row")  # the writer batches
+                ((stored_adapter, policy_step, status, token_ids),) = rows(db, sql, after)
     finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 60)
         await _unload(vllm_backend, adapter)
     assert (stored_adapter, policy_step, status) == (adapter, 1, "ok")
     assert json.loads(token_ids)[0]  # vLLM sampled from the adapter and the proxy captured the tokens

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sqlite3
 import sys
 from pathlib import Path
 
@@ -19,24 +18,15 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 from serving import serving
-from support import free_port, make_lora
+from support import make_lora, rows, tiny_settings
 
 from rlproxy.errors import ConfigError
 from rlproxy.inference.embedded import EmbeddedBackend
-from rlproxy.settings import Settings
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.offline import fork_policy, init_policies, validate_adapter
 
 PROMPT = [{"role": "user", "content": "Name three colors."}]
 RLPROXY = str(Path(sys.executable).parent / "rlproxy")  # the installed command
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 async def greedy(client: AsyncOpenAI, model: str) -> tuple[str, str]:
@@ -80,17 +70,7 @@ async def test_init_adapter_then_fork_serve_their_adapter(
 ) -> None:
     db = tmp_path / "rlproxy.db"
     ck = tmp_path / "ck"
-    settings = Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{db}",
-        port=free_port(),
-        train=True,
-        checkpoint_dir=str(ck),
-        init_adapter=str(adapter),
-        policy_poll_interval=0.1,
-        train_threads=1,
-        engine_threads=1,
-    )
+    settings = tiny_settings(tiny_model_dir, tmp_path, init_adapter=str(adapter), policy_poll_interval=0.1)
     backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
     async with serving(settings, backend) as base:
         client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")

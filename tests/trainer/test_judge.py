@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,37 +18,19 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from openai import AsyncOpenAI
 from sqlalchemy import text
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from support import free_port
+from support import free_port, rows, tiny_settings, uvicorn_serving, wait_for
 
 from rlproxy.compose import build_app
 from rlproxy.inference.embedded import EmbeddedBackend
-from rlproxy.settings import Settings
 from rlproxy.storage.training import ready_groups
 from rlproxy.trainer.judge import Judge, JudgeConfig
 from rlproxy.trainer.judge_prompt import JudgeOutputError, parse_scores, render_trajectory
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
-
-
-async def wait_for(check, seconds: float = 120.0) -> None:
-    for _ in range(int(seconds * 10)):
-        if check():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("timed out waiting")
 
 
 class StubJudge:
@@ -75,44 +56,23 @@ class StubJudge:
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[StubJudge]:
         app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        task = asyncio.create_task(server.serve())
-        await wait_for(lambda: server.started, 30)
-        try:
+        async with uvicorn_serving(app, self.port, start_timeout=30):
             yield self
-        finally:
-            server.should_exit = True
-            await task
 
 
 @asynccontextmanager
 async def proxy(tiny: Path, tmp: Path, **overrides: Any) -> AsyncIterator[tuple[str, Any, Path]]:
     """(base URL, app state, db path) of a proxy with the trainer on, serving the tiny model."""
-    db = tmp / "rlproxy.db"
-    port = free_port()
     values: dict[str, Any] = {
-        "model": str(tiny),
-        "db_url": f"sqlite+aiosqlite:///{db}",
-        "port": port,
         "group_size": 4,
         "groups_per_step": 1,
         "poll_interval": 0.1,
         "learning_rate": 1e-3,
-        "checkpoint_dir": str(tmp / "ck"),
-        "train_threads": 1,
-        "engine_threads": 1,
-        **overrides,
     }
-    app = build_app(Settings(**values), EmbeddedBackend(str(tiny), threads=1))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    try:
-        await wait_for(lambda: server.started or task.done(), 120)
-        assert server.started, "the proxy did not start"
-        yield f"http://127.0.0.1:{port}", app.state.proxy, db
-    finally:
-        server.should_exit = True
-        await task
+    settings = tiny_settings(tiny, tmp, **(values | overrides))
+    app = build_app(settings, EmbeddedBackend(str(tiny), threads=1))
+    async with uvicorn_serving(app, settings.port, start_timeout=120) as base:
+        yield base, app.state.proxy, tmp / "rlproxy.db"
 
 
 async def play_group(base: str, policy: str, group: str, n: int = 4) -> list[str]:

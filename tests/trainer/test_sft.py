@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import random
-import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from safetensors.torch import load_file
 from serving import serving
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
-from support import ServerlessBackend, free_port
+from support import ServerlessBackend, rows, tiny_settings
 
 from rlproxy.cli import processes
 from rlproxy.inference.embedded import EmbeddedBackend
@@ -56,14 +55,6 @@ CHATS = [
 SFT_LR = 1e-2  # the tiny random model memorizes 16 short answers in ~40 epochs at this rate (~10 s, 1 thread)
 
 
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
-
-
 async def answers(
     client: AsyncOpenAI, model: str, prompts: list[list[dict]], max_tokens: int
 ) -> list[tuple[str, str]]:
@@ -87,17 +78,7 @@ async def wait_for_step(client: AsyncOpenAI, model: str, step: str) -> None:
 
 
 def settings_for(tiny_model_dir: Path, tmp_path: Path, **fields: Any) -> Settings:
-    return Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{tmp_path / 'rlproxy.db'}",
-        port=free_port(),
-        checkpoint_dir=str(tmp_path / "ck"),
-        policy_poll_interval=0.1,
-        poll_interval=0.1,
-        train_threads=1,
-        engine_threads=1,
-        **fields,
-    )
+    return tiny_settings(tiny_model_dir, tmp_path, policy_poll_interval=0.1, poll_interval=0.1, **fields)
 
 
 # ------------------------------------------------------------------------------------------ examples

@@ -14,8 +14,9 @@ the retry; one that never answers: rolled back after scorer_max_attempts. The pa
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,10 @@ import httpx
 import pytest
 import torch
 from serving import serving
-from support import free_port
+from support import rows, tiny_settings
 
 import rlproxy.trainer.service as service_module
 from rlproxy.inference.embedded import EmbeddedBackend
-from rlproxy.settings import Settings
 from rlproxy.trainer import scorers
 from rlproxy.trainer.scorers import ScoreRequest, ScorerError, check_scores
 from rlproxy.trainer.step import StepResult, train_step
@@ -100,12 +100,33 @@ def _stand_in_step(
     return StepResult(num_groups=1, num_runs=len(runs), num_tokens=1, mean_reward=0.5, loss=0.0, metrics={})
 
 
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+@asynccontextmanager
+async def _serving(tiny_model_dir: Path, tmp_path: Path, **fields: Any) -> AsyncIterator[tuple[Any, str]]:
+    """`serve` (trainer on, quick polls, an adapter unloaded 0.2 s after its last use) on its own
+    engine: an HTTP client on it and the policy it serves."""
+    settings = tiny_settings(
+        tiny_model_dir, tmp_path, poll_interval=0.1, policy_poll_interval=0.1, unload_grace=0.2, **fields
+    )
+    backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
+    async with serving(settings, backend) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
+        yield http, backend.served_model
+
+
+async def _ask(http: httpx.AsyncClient, policy: str, text: str, run_id: str | None) -> tuple[int, Any]:
+    """A 4-token chat request (a run's when `run_id` is given): (its X-Policy-Step, its body)."""
+    headers = {"X-Run-Id": run_id} if run_id else {}
+    body = {"model": policy, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    r = await http.post("/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    return int(r.headers["x-policy-step"]), r.json()
+
+
+async def _group(http: httpx.AsyncClient, ask: Callable[[str, str], Awaitable[Any]], g: int) -> None:
+    """Group g: four runs of one task, rewarded 0, 1, 0, 1."""
+    for k in range(4):
+        await ask(f"Group {g} task: say a word.", f"g{g}-r{k}")
+        r = await http.post(f"/v1/runs/g{g}-r{k}/reward", json={"reward": float(k % 2)})
+        assert r.status_code == 200, r.text
 
 
 async def _wait(db: Path, sql: str, seconds: float = 120.0) -> list[tuple]:
@@ -126,42 +147,21 @@ async def test_an_honest_step_passes_and_a_worse_one_never_serves(
     PLAN[:] = ["honest", "worse", "honest"]
     BUILT_FROM.clear()
     db = tmp_path / "rlproxy.db"
-    settings = Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{db}",
-        port=free_port(),
-        train=True,
+    served: list[tuple[float, int]] = []  # (time, X-Policy-Step) of every app request
+    async with _serving(
+        tiny_model_dir,
+        tmp_path,
         group_size=4,
         groups_per_step=1,
-        poll_interval=0.1,
-        policy_poll_interval=0.1,
-        checkpoint_dir=str(tmp_path / "ck"),
-        unload_grace=0.2,
-        train_threads=1,
-        engine_threads=1,
         shadow_prompts=8,
         shadow_margin=0.05,
         scorer="checks",
-    )
-    backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
-    served: list[tuple[float, int]] = []  # (time, X-Policy-Step) of every app request
-    async with serving(settings, backend) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
-        policy = backend.served_model
+    ) as (http, policy):
 
         async def ask(text: str, run_id: str | None = None) -> int:
-            headers = {"X-Run-Id": run_id} if run_id else {}
-            body = {"model": policy, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
-            r = await http.post("/v1/chat/completions", json=body, headers=headers)
-            assert r.status_code == 200, r.text
-            step = int(r.headers["x-policy-step"])
+            step, _ = await _ask(http, policy, text, run_id)
             served.append((time.monotonic(), step))
             return step
-
-        async def group(g: int) -> None:
-            for k in range(4):
-                await ask(f"Group {g} task: say a word.", f"g{g}-r{k}")
-                r = await http.post(f"/v1/runs/g{g}-r{k}/reward", json={"reward": float(k % 2)})
-                assert r.status_code == 200, r.text
 
         async def app(stop: asyncio.Event) -> None:  # the app's untagged traffic, all along
             i = 0
@@ -175,17 +175,17 @@ async def test_an_honest_step_passes_and_a_worse_one_never_serves(
         stop = asyncio.Event()
         traffic = asyncio.create_task(app(stop))
         try:
-            await group(1)
+            await _group(http, ask, 1)
             await _wait(db, "SELECT 1 FROM training_steps WHERE step = 1")
             while served[-1][1] != 1:
                 await asyncio.sleep(0.05)
             live_1 = time.monotonic()
-            await group(2)
+            await _group(http, ask, 2)
             await _wait(db, "SELECT 1 FROM shadow_checks WHERE candidate_step = 2 AND status = 'failed'")
             await _wait(db, "SELECT 1 FROM training_steps WHERE step = 2 AND adapter_path IS NULL")
             await asyncio.sleep(1.0)  # the app goes on: still step 1
             after_2 = time.monotonic()
-            await group(3)
+            await _group(http, ask, 3)
             await _wait(db, "SELECT 1 FROM shadow_checks WHERE candidate_step = 3 AND status != 'running'")
         finally:
             stop.set()
@@ -235,34 +235,20 @@ async def test_a_step_trained_on_inverted_rewards_is_stopped(
     PLAN[:] = ["half"]  # then real steps
     BUILT_FROM.clear()
     db = tmp_path / "rlproxy.db"
-    settings = Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{db}",
-        port=free_port(),
-        train=True,
+    async with _serving(
+        tiny_model_dir,
+        tmp_path,
         group_size=8,
         groups_per_step=2,
-        poll_interval=0.1,
-        policy_poll_interval=0.1,
         learning_rate=0.05,
-        checkpoint_dir=str(tmp_path / "ck"),
-        unload_grace=0.2,
-        train_threads=1,
-        engine_threads=1,
         shadow_prompts=16,
         shadow_margin=0.05,
         scorer="checks",
-    )
-    backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
-    async with serving(settings, backend) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
-        policy = backend.served_model
+    ) as (http, policy):
 
         async def ask(text: str, run_id: str | None = None) -> tuple[int, str]:
-            headers = {"X-Run-Id": run_id} if run_id else {}
-            body = {"model": policy, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
-            r = await http.post("/v1/chat/completions", json=body, headers=headers)
-            assert r.status_code == 200, r.text
-            return int(r.headers["x-policy-step"]), r.json()["choices"][0]["finish_reason"]
+            step, body = await _ask(http, policy, text, run_id)
+            return step, body["choices"][0]["finish_reason"]
 
         async def run(g: int, k: int, inverted: bool) -> None:
             _, finish = await ask(f"Group {g} task: say a word.", f"g{g}-r{k}")
@@ -327,43 +313,22 @@ async def test_a_scorer_failure_holds_the_step_back_then_retries(
     FAILS.clear()
     FAILS.update({1: 1, 2: 1000})
     db = tmp_path / "rlproxy.db"
-    settings = Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{db}",
-        port=free_port(),
-        train=True,
+    async with _serving(
+        tiny_model_dir,
+        tmp_path,
         group_size=4,
         groups_per_step=1,
-        poll_interval=0.1,
-        policy_poll_interval=0.1,
-        checkpoint_dir=str(tmp_path / "ck"),
-        unload_grace=0.2,
-        train_threads=1,
-        engine_threads=1,
         shadow_prompts=4,
         scorer_timeout=0.5,  # also the wait before a check is tried again
         scorer_max_attempts=3,
-    )
-    backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
-    async with serving(settings, backend) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
-        policy = backend.served_model
+    ) as (http, policy):
 
         async def ask(text: str, run_id: str | None = None) -> int:
-            headers = {"X-Run-Id": run_id} if run_id else {}
-            body = {"model": policy, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
-            r = await http.post("/v1/chat/completions", json=body, headers=headers)
-            assert r.status_code == 200, r.text
-            return int(r.headers["x-policy-step"])
-
-        async def group(g: int) -> None:
-            for k in range(4):
-                await ask(f"Group {g} task: say a word.", f"g{g}-r{k}")
-                r = await http.post(f"/v1/runs/g{g}-r{k}/reward", json={"reward": float(k % 2)})
-                assert r.status_code == 200, r.text
+            return (await _ask(http, policy, text, run_id))[0]
 
         for i in range(6):
             await ask(f"Before {i}: name a city.")
-        await group(1)
+        await _group(http, ask, 1)
         await _wait(db, "SELECT 1 FROM shadow_checks WHERE candidate_step = 1 AND status = 'error'")
         assert rows(db, "SELECT count(*) FROM training_steps") == [(0,)]  # waits, uncommitted
         assert await ask("Meanwhile: name a color.") == 0
@@ -371,7 +336,7 @@ async def test_a_scorer_failure_holds_the_step_back_then_retries(
         await _wait(db, "SELECT 1 FROM training_steps WHERE step = 1")
         while await ask("Now: name a color.") != 1:
             await asyncio.sleep(0.05)
-        await group(2)
+        await _group(http, ask, 2)
         await _wait(db, "SELECT 1 FROM rollouts WHERE candidate_step = 2")
         for i in range(5):
             assert await ask(f"After {i}: name a color.") == 1

@@ -20,22 +20,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from support import free_port
+from support import free_port, rows, tiny_settings, uvicorn_serving
 
 from rlproxy.compose import build_app
 from rlproxy.inference.embedded import EmbeddedBackend
-from rlproxy.settings import Settings
 from rlproxy.storage import keys as keystore
 
 AGENT, ADMIN, SCORER_KEY = "shared-agents-key", "operators-key", "sk-global-scorer"
@@ -57,47 +53,8 @@ class Recorder:
         self.auth.append(request.headers.get("authorization"))
         return JSONResponse({"scores": [0.1 * c["index"] for c in body["candidates"]]})
 
-    @contextlib.asynccontextmanager
-    async def serving(self) -> AsyncIterator[Recorder]:
-        app = Starlette(routes=[Route("/score", self._score, methods=["POST"])])
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        task = asyncio.create_task(server.serve())
-        for _ in range(300):
-            if server.started or task.done():
-                break
-            await asyncio.sleep(0.01)
-        assert server.started
-        try:
-            yield self
-        finally:
-            server.should_exit = True
-            await task
-
-
-@contextlib.asynccontextmanager
-async def proxy(settings: Settings, backend: Any) -> AsyncIterator[tuple[str, Any]]:
-    """`build_app` under uvicorn on loopback: its base URL and its `ProxyState`."""
-    app = build_app(settings, backend)
-    server = uvicorn.Server(uvicorn.Config(app, port=settings.port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    try:
-        for _ in range(1200):
-            if server.started:
-                break
-            assert not task.done(), "the proxy exited during startup"
-            await asyncio.sleep(0.05)
-        yield f"http://127.0.0.1:{settings.port}", app.state.proxy
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 60)
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+    def serving(self) -> contextlib.AbstractAsyncContextManager[str]:
+        return uvicorn_serving(Starlette(routes=[Route("/score", self._score, methods=["POST"])]), self.port)
 
 
 async def test_each_keys_siblings_go_to_its_own_scorer_and_stay_its_own(
@@ -105,14 +62,12 @@ async def test_each_keys_siblings_go_to_its_own_scorer_and_stay_its_own(
 ) -> None:
     db = tmp_path / "rlproxy.db"
     rec_a, rec_b, rec_global = Recorder(), Recorder(), Recorder()
-    settings = Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{db}",
-        port=free_port(),
+    settings = tiny_settings(
+        tiny_model_dir,
+        tmp_path,
         api_key=AGENT,
         admin_key=ADMIN,
         poll_interval=0.1,
-        engine_threads=1,
         siblings="new",
         siblings_k=3,
         siblings_max_share=1.0,
@@ -121,11 +76,13 @@ async def test_each_keys_siblings_go_to_its_own_scorer_and_stay_its_own(
         scorer_api_key=SCORER_KEY,
     )
     backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
+    app = build_app(settings, backend)
+    state = app.state.proxy
     async with (
         rec_a.serving(),
         rec_b.serving(),
         rec_global.serving(),
-        proxy(settings, backend) as (base, state),
+        uvicorn_serving(app, settings.port) as base,
         httpx.AsyncClient(timeout=60) as http,
     ):
         auth = {"shared": {"Authorization": f"Bearer {AGENT}"}}

@@ -17,19 +17,16 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import sqlite3
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from openai import AsyncOpenAI
-from support import free_port
+from support import rows, tiny_settings, uvicorn_serving
 
 from rlproxy.compose import build_app
 from rlproxy.inference.embedded import EmbeddedBackend
-from rlproxy.settings import Settings
 
 # phase k (k = 1, 2, 3): val runs served by adapter k-1, then two training groups -> step k.
 # (header val rewards, reward-body val rewards): step k's val_reward is their mean.
@@ -40,14 +37,6 @@ VAL: dict[int, tuple[list[float], list[float]]] = {
 }
 AFTER = [0.5, 0.25]  # val runs served by adapter 3 after the last step: only in the `validation` view
 TRAIN = [[1.0, 0.0, 0.5, 0.0], [0.0, 0.25, 1.0, 1.0]]  # two groups of 4 per step
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 def _browser() -> tuple[str, str] | None:
@@ -105,28 +94,18 @@ def _dashboard(url: str, tmp: Path) -> dict[str, Any]:
 async def test_validation_runs_scored_never_trained_best_kept(tiny_model_dir: Path, tmp_path: Path) -> None:
     db = tmp_path / "rlproxy.db"
     ck = tmp_path / "ck"
-    port = free_port()
-    settings = Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{db}",
-        port=port,
-        train=True,
+    settings = tiny_settings(
+        tiny_model_dir,
+        tmp_path,
         group_size=4,
         groups_per_step=2,
         poll_interval=0.1,
         learning_rate=1e-3,
-        checkpoint_dir=str(ck),
         keep_checkpoints=1,
         unload_grace=0,
-        train_threads=1,
-        engine_threads=1,
     )
     backend = EmbeddedBackend(str(tiny_model_dir), threads=1)
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(settings, backend), host="127.0.0.1", port=port, log_level="warning")
-    )
-    task = asyncio.create_task(server.serve())
-    base = f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{settings.port}"
     client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
     policy = backend.served_model
     val_ids: list[str] = []
@@ -154,75 +133,69 @@ async def test_validation_runs_scored_never_trained_best_kept(tiny_model_dir: Pa
             await asyncio.sleep(0.05)
         raise AssertionError(f"step {step} was never published")
 
-    try:
-        for _ in range(600):
-            if server.started:
-                break
-            assert not task.done(), "the proxy exited during startup"
-            await asyncio.sleep(0.05)
-        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+    async with (
+        uvicorn_serving(build_app(settings, backend), settings.port, start_timeout=30),
+        httpx.AsyncClient(base_url=base, timeout=60) as http,
+    ):
 
-            async def reward(run_id: str, body: dict[str, Any]) -> httpx.Response:
-                return await http.post(f"/v1/runs/{run_id}/reward", json=body)
+        async def reward(run_id: str, body: dict[str, Any]) -> httpx.Response:
+            return await http.post(f"/v1/runs/{run_id}/reward", json=body)
 
-            # the contract's edges, before anything trains
-            bad = await http.post(
-                "/v1/chat/completions",
-                json={"model": policy, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
-                headers={"X-Run-Id": "bad", "X-Split": "validation"},
-            )
-            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_split"
-            assert await call("edge-h", {"X-Split": "val"}, "edge") == "0"
-            resp = await reward("edge-h", {"reward": 0.5, "split": "train"})  # a val run is no train run
-            assert resp.status_code == 409 and resp.json()["error"]["code"] == "split_conflict"
-            assert (await reward("edge-h", {"reward": 0.5, "split": "other"})).status_code == 422
-            assert await call("edge-t", {}, "edge") == "0"
-            assert (await reward("edge-t", {"reward": 0.5})).status_code == 200
-            resp = await reward("edge-t", {"reward": 0.5, "split": "val"})  # rewarded as train already
-            assert resp.status_code == 409 and resp.json()["error"]["code"] == "split_conflict"
-            # a later request's header does not change a run's split: fixed by its first request
-            assert await call("edge-t2", {}, "edge") == "0"
-            assert await call("edge-t2", {"X-Split": "val"}, "edge, again") == "0"
-            # the edge runs are left unrewarded (open) except edge-t, alone in its group: never trained
+        # the contract's edges, before anything trains
+        bad = await http.post(
+            "/v1/chat/completions",
+            json={"model": policy, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+            headers={"X-Run-Id": "bad", "X-Split": "validation"},
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_split"
+        assert await call("edge-h", {"X-Split": "val"}, "edge") == "0"
+        resp = await reward("edge-h", {"reward": 0.5, "split": "train"})  # a val run is no train run
+        assert resp.status_code == 409 and resp.json()["error"]["code"] == "split_conflict"
+        assert (await reward("edge-h", {"reward": 0.5, "split": "other"})).status_code == 422
+        assert await call("edge-t", {}, "edge") == "0"
+        assert (await reward("edge-t", {"reward": 0.5})).status_code == 200
+        resp = await reward("edge-t", {"reward": 0.5, "split": "val"})  # rewarded as train already
+        assert resp.status_code == 409 and resp.json()["error"]["code"] == "split_conflict"
+        # a later request's header does not change a run's split: fixed by its first request
+        assert await call("edge-t2", {}, "edge") == "0"
+        assert await call("edge-t2", {"X-Split": "val"}, "edge, again") == "0"
+        # the edge runs are left unrewarded (open) except edge-t, alone in its group: never trained
 
-            for k in (1, 2, 3):
-                header_rewards, body_rewards = VAL[k]
-                for i, r in enumerate(header_rewards):
-                    run_id = f"val{k}-h{i}"
-                    # the first val run of each phase sits in a training group's X-Group-Id
-                    group = {"X-Group-Id": f"G{k}-0"} if i == 0 else {}
-                    assert await call(run_id, {"X-Split": "val", **group}, f"Val {k}.{i}") == str(k - 1)
-                    resp = await reward(run_id, {"reward": r})
-                    assert resp.status_code == 200 and resp.json()["stored"] is True, resp.text
-                    again = await reward(run_id, {"reward": r, "split": "val"})  # the same again: 200
-                    assert again.status_code == 200 and again.json()["stored"] is False
-                    val_ids.append(run_id)
-                for i, r in enumerate(body_rewards):
-                    run_id = f"val{k}-b{i}"
-                    assert await call(run_id, {}, f"Body val {k}.{i}") == str(k - 1)
-                    resp = await reward(run_id, {"reward": r, "split": "val"})
-                    assert resp.status_code == 200, resp.text
-                    val_ids.append(run_id)
-                for g, rewards in enumerate(TRAIN):
-                    for i, r in enumerate(rewards):
-                        run_id = f"T{k}-{g}-{i}"
-                        assert await call(run_id, {"X-Group-Id": f"G{k}-{g}"}, f"Task {k}.{g}") == str(k - 1)
-                        assert (await reward(run_id, {"reward": r})).status_code == 200
-                await wait_step(k)
-            for i, r in enumerate(AFTER):  # served by adapter 3; no step 4 will freeze them
-                assert await call(f"val4-h{i}", {"X-Split": "val"}, f"Val 4.{i}") == "3"
-                assert (await reward(f"val4-h{i}", {"reward": r})).status_code == 200
-                val_ids.append(f"val4-h{i}")
-            listed = (await http.get("/v1/runs", params={"status": "validated", "limit": 100})).json()
-            assert sorted(r["id"] for r in listed["data"]) == sorted(val_ids)
-            assert {r["split"] for r in listed["data"]} == {"val"}
-            if _browser() is not None:
-                dash = await asyncio.to_thread(_dashboard, base, tmp_path)
-            elif os.environ.get("CI") == "true":
-                pytest.fail("CI needs chromium + chromedriver + selenium for the dashboard check")
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 60)
+        for k in (1, 2, 3):
+            header_rewards, body_rewards = VAL[k]
+            for i, r in enumerate(header_rewards):
+                run_id = f"val{k}-h{i}"
+                # the first val run of each phase sits in a training group's X-Group-Id
+                group = {"X-Group-Id": f"G{k}-0"} if i == 0 else {}
+                assert await call(run_id, {"X-Split": "val", **group}, f"Val {k}.{i}") == str(k - 1)
+                resp = await reward(run_id, {"reward": r})
+                assert resp.status_code == 200 and resp.json()["stored"] is True, resp.text
+                again = await reward(run_id, {"reward": r, "split": "val"})  # the same again: 200
+                assert again.status_code == 200 and again.json()["stored"] is False
+                val_ids.append(run_id)
+            for i, r in enumerate(body_rewards):
+                run_id = f"val{k}-b{i}"
+                assert await call(run_id, {}, f"Body val {k}.{i}") == str(k - 1)
+                resp = await reward(run_id, {"reward": r, "split": "val"})
+                assert resp.status_code == 200, resp.text
+                val_ids.append(run_id)
+            for g, rewards in enumerate(TRAIN):
+                for i, r in enumerate(rewards):
+                    run_id = f"T{k}-{g}-{i}"
+                    assert await call(run_id, {"X-Group-Id": f"G{k}-{g}"}, f"Task {k}.{g}") == str(k - 1)
+                    assert (await reward(run_id, {"reward": r})).status_code == 200
+            await wait_step(k)
+        for i, r in enumerate(AFTER):  # served by adapter 3; no step 4 will freeze them
+            assert await call(f"val4-h{i}", {"X-Split": "val"}, f"Val 4.{i}") == "3"
+            assert (await reward(f"val4-h{i}", {"reward": r})).status_code == 200
+            val_ids.append(f"val4-h{i}")
+        listed = (await http.get("/v1/runs", params={"status": "validated", "limit": 100})).json()
+        assert sorted(r["id"] for r in listed["data"]) == sorted(val_ids)
+        assert {r["split"] for r in listed["data"]} == {"val"}
+        if _browser() is not None:
+            dash = await asyncio.to_thread(_dashboard, base, tmp_path)
+        elif os.environ.get("CI") == "true":
+            pytest.fail("CI needs chromium + chromedriver + selenium for the dashboard check")
 
     # never trained: every val run is `validated`, split val, trained_step NULL; steps hold 8 runs each
     runs = {r[0]: r[1:] for r in rows(db, "SELECT id, status, split, trained_step FROM runs")}
