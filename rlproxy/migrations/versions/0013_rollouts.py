@@ -30,16 +30,19 @@ down_revision: str | None = "0012"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-ROLLOUT_RUNS_VIEW = """
+
+def rollout_runs_view(joins: str = "", key_id: bool = False) -> str:
+    """The view's SQL; 0016 and 0017 re-create it with more `joins` conditions (0017 adds key_id)."""
+    return f"""
 CREATE VIEW rollout_runs AS
 SELECT rollout_id, policy,
     CASE WHEN step = candidate_step THEN 'candidate' ELSE 'incumbent' END AS arm,
-    step, run_id, group_id, reward, status, errored, created_at, completed_at
+    step, run_id, group_id, reward, status, errored, created_at, completed_at{", key_id" * key_id}
 FROM (
     SELECT ro.id AS rollout_id, ro.policy AS policy, ro.candidate_step AS candidate_step,
         ro.incumbent_step AS incumbent_step, r.id AS run_id, r.group_id AS group_id,
         r.reward AS reward, r.status AS status, r.created_at AS created_at,
-        r.completed_at AS completed_at,
+        r.completed_at AS completed_at{", r.key_id AS key_id" * key_id},
         (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
         (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
         CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
@@ -47,10 +50,13 @@ FROM (
                 OR CAST(c.response AS TEXT) LIKE '%<tool_call>%')) THEN 1 ELSE 0 END AS errored
     FROM rollouts ro
     JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
-        AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
+        AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at){joins}
 ) AS a
 WHERE step = last_step AND step IN (candidate_step, incumbent_step)
 """
+
+
+ROLLOUT_RUNS_VIEW = rollout_runs_view()
 
 
 def upgrade() -> None:

@@ -20,6 +20,7 @@ Create Date: 2026-12-07
 from __future__ import annotations
 
 from collections.abc import Sequence
+from importlib import import_module
 
 import sqlalchemy as sa
 from alembic import op
@@ -29,29 +30,11 @@ down_revision: str | None = "0016"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-_VIEW = """
-CREATE VIEW rollout_runs AS
-SELECT rollout_id, policy,
-    CASE WHEN step = candidate_step THEN 'candidate' ELSE 'incumbent' END AS arm,
-    step, run_id, group_id, reward, status, errored, created_at, completed_at, key_id
-FROM (
-    SELECT ro.id AS rollout_id, ro.policy AS policy, ro.candidate_step AS candidate_step,
-        ro.incumbent_step AS incumbent_step, r.id AS run_id, r.group_id AS group_id,
-        r.reward AS reward, r.status AS status, r.created_at AS created_at,
-        r.completed_at AS completed_at, r.key_id AS key_id,
-        (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
-        (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
-        CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
-            AND (c.status_code >= 500 OR c.finish_reason = 'length'
-                OR CAST(c.response AS TEXT) LIKE '%<tool_call>%')) THEN 1 ELSE 0 END AS errored
-    FROM rollouts ro
-    JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
-        AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
-        AND r.branch_of IS NULL
-        AND NOT EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id AND {pinned} LIKE '%@%')
-) AS a
-WHERE step = last_step AND step IN (candidate_step, incumbent_step)
-"""
+_0016 = import_module("rlproxy.migrations.versions.0016_rollout_runs_apps_only")
+_PINNED_JOINS = (
+    "\n        AND NOT EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id AND {pinned} LIKE '%@%')"
+)
+_VIEW = _0016._0013.rollout_runs_view(_0016.APPS_JOINS + _PINNED_JOINS, key_id=True)
 _PINNED = {"sqlite": "json_extract(c.request, '$.model')", "postgresql": "(c.request::jsonb ->> 'model')"}
 
 
@@ -108,10 +91,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    from importlib import import_module
-
     op.execute("DROP VIEW IF EXISTS rollout_runs")
-    op.execute(import_module("rlproxy.migrations.versions.0016_rollout_runs_apps_only").APPS_VIEW)
+    op.execute(_0016.APPS_VIEW)
     op.drop_column("completions", "key_id")
     op.drop_index("ix_runs_key_id", table_name="runs")
     op.drop_column("runs", "key_id")
