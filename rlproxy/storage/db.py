@@ -20,9 +20,9 @@ import re
 import sqlite3
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -350,6 +350,17 @@ async def connect_write(engine: AsyncEngine) -> AsyncConnection:
     if engine.dialect.name == "sqlite":
         conn = await conn.execution_options(**{SQLITE_BEGIN: "IMMEDIATE"})
     return conn
+
+
+@asynccontextmanager
+async def write_transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """One write transaction holding SQLite's write lock from its start; raising inside rolls it back."""
+    conn = await connect_write(engine)
+    try:
+        async with conn.begin():
+            yield conn
+    finally:
+        await conn.close()
 
 
 def alembic_config(url: str) -> Any:

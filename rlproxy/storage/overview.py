@@ -21,23 +21,11 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.storage.models import Completion, Run
+from rlproxy.storage.times import iso
 
 RUNS = Run.__table__
 COMPLETIONS = Completion.__table__
 MAX_LIMIT = 1000
-
-
-def _iso(v: Any) -> Any:
-    """A time as ISO 8601 in UTC (an aggregate over SQLite hands back its naive UTC text)."""
-    if isinstance(v, str) and len(v) >= 19 and v[4] == "-" and v[10] in " T":
-        try:
-            v = datetime.fromisoformat(v)
-        except ValueError:
-            return v
-    if isinstance(v, datetime):
-        v = v if v.tzinfo is not None else v.replace(tzinfo=UTC)
-        return v.astimezone(UTC).isoformat()
-    return v
 
 
 def _when(engine: AsyncEngine, v: datetime) -> datetime:
@@ -106,7 +94,9 @@ async def find_runs(
     async with engine.connect() as conn:
         rows = (await conn.execute(page)).mappings().all()
         total = await conn.scalar(select(func.count()).select_from(RUNS).where(where))
-    return [{str(k): _iso(v) for k, v in r.items() if k != "next_seq"} for r in rows], int(total or 0)
+    return [{str(k): iso(v, text=True) for k, v in r.items() if k != "next_seq"} for r in rows], int(
+        total or 0
+    )
 
 
 # What became of a rewarded training run, by its status: the chart's point kinds. The run counts per
@@ -160,7 +150,7 @@ async def group_rewards(
             "policy": r["policy"],
             "status": r["status"],
             "outcome": OUTCOMES[r["status"]],
-            "at": _iso(r["at"]),
+            "at": iso(r["at"], text=True),
             "runs": int(r["runs"]),
             "mean_reward": float(r["mean_reward"]),
             "min_reward": float(r["min_reward"]),
@@ -264,7 +254,8 @@ async def completion_tokens(engine: AsyncEngine, completion_id: int) -> dict[str
         "run": None
         if run is None
         else {
-            k: _iso(run[k]) for k in ("id", "group_id", "status", "status_reason", "reward", "trained_step")
+            k: iso(run[k], text=True)
+            for k in ("id", "group_id", "status", "status_reason", "reward", "trained_step")
         },
         "cohort": cohort,
     }

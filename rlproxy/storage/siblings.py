@@ -42,8 +42,9 @@ from sqlalchemy import and_, exists, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from rlproxy.storage.db import write_transaction
 from rlproxy.storage.models import Completion, Key, Run, RunStatus, SiblingGroup, SiblingStatus
-from rlproxy.storage.training import StatusReason, _write
+from rlproxy.storage.training import StatusReason
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +347,7 @@ async def create_group(
             },
         )
     try:
-        async with _write(engine) as conn:
+        async with write_transaction(engine) as conn:
             taken = await conn.scalar(
                 select(SiblingGroup.id).where(SiblingGroup.completion_id == call.completion_id)
             )
@@ -381,7 +382,7 @@ async def fail_sampling(engine: AsyncEngine, *, group_id: str, call: BranchCall,
     """Record a call whose siblings could not be sampled: a `failed` group without members (visible,
     and the call is not tried again). False when the call is already branched."""
     try:
-        async with _write(engine) as conn:
+        async with write_transaction(engine) as conn:
             taken = await conn.scalar(
                 select(SiblingGroup.id).where(SiblingGroup.completion_id == call.completion_id)
             )
@@ -456,7 +457,7 @@ async def store_scores(engine: AsyncEngine, group_id: str, scores: dict[str, flo
     transaction; only a group still `scoring` changes. Returns the member runs changed."""
     now = datetime.now(UTC)
     changed = 0
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         res = await conn.execute(
             update(SiblingGroup)
             .where(SiblingGroup.id == group_id, SiblingGroup.status == SiblingStatus.scoring)
@@ -483,7 +484,7 @@ async def store_scores(engine: AsyncEngine, group_id: str, scores: dict[str, flo
 async def fail_scoring(engine: AsyncEngine, group_id: str, error: str, *, max_attempts: int) -> bool:
     """Count a failed scorer call; at `max_attempts` the group and its open runs become `failed`
     (`scorer_failed`). True when the group failed for good."""
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         attempts = await conn.scalar(
             select(SiblingGroup.attempts).where(
                 SiblingGroup.id == group_id, SiblingGroup.status == SiblingStatus.scoring
