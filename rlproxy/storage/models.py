@@ -14,6 +14,8 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from rlproxy.storage.step_columns import STEP_COLUMNS
+
 
 def utcnow() -> datetime:
     """Now, timezone-aware UTC."""
@@ -199,6 +201,16 @@ class Key(Base):
     )
 
 
+def _step_metrics(integer: bool) -> dict[str, Any]:
+    """training_steps' metric columns, declared from THE list (storage/step_columns.py): the FLOAT
+    headline numbers of `metrics` (migration 0005) or the INTEGER counts of merged segments (0010)."""
+    return {
+        name: mapped_column(Integer if c.integer else Float, comment=c.comment)
+        for name, c in STEP_COLUMNS.items()
+        if c.integer == integer
+    }
+
+
 class TrainingStep(Base):
     """One GRPO optimizer step of a policy and the adapter it produced."""
 
@@ -219,33 +231,7 @@ class TrainingStep(Base):
         comment="loss/, kl/, clip/, reward/, perf/ numbers"
     )
     config: Mapped[dict[str, Any] | None] = mapped_column(comment="resolved trainer settings of this step")
-    # the headline numbers of `metrics` as columns (migration 0005; rlproxy steps and the dashboard)
-    reward_std: Mapped[float | None] = mapped_column(Float, comment="std of the step's run rewards")
-    zero_variance_frac: Mapped[float | None] = mapped_column(
-        Float, comment="groups with equal rewards / groups seen since the last step (skipped too)"
-    )
-    kl: Mapped[float | None] = mapped_column(
-        Float, comment="per token: k3 to the base when beta > 0, else approx KL to the sampler"
-    )
-    clip_frac_low: Mapped[float | None] = mapped_column(
-        Float, comment="fraction of tokens clipped at 1 - epsilon (A < 0)"
-    )
-    clip_frac_high: Mapped[float | None] = mapped_column(
-        Float, comment="fraction of tokens clipped at 1 + epsilon_high (A > 0)"
-    )
-    entropy: Mapped[float | None] = mapped_column(
-        Float, comment="mean entropy of the policy at the sampled positions, nats"
-    )
-    completion_len_mean: Mapped[float | None] = mapped_column(
-        Float, comment="mean sampled tokens per trained completion"
-    )
-    policy_lag_mean: Mapped[float | None] = mapped_column(
-        Float, comment="mean adapter steps between sampling and training"
-    )
-    tokens_per_s: Mapped[float | None] = mapped_column(
-        Float, comment="prompt + completion tokens trained per second"
-    )
-    grad_norm: Mapped[float | None] = mapped_column(Float, comment="global gradient norm before clipping")
+    locals().update(_step_metrics(integer=False))  # in the class body: the columns keep their order
     kind: Mapped[str] = mapped_column(
         String(16), default="grpo", server_default="grpo", comment="grpo, or sft for supervised steps"
     )  # also fork / init: step 1 of a policy started from another's step or a LoRA folder (PolicyOrigin)
@@ -254,16 +240,7 @@ class TrainingStep(Base):
         Float, comment="mean reward of the val runs served by step - 1 (at the commit)"
     )
     val_runs: Mapped[int | None] = mapped_column(Integer, comment="how many val runs val_reward averages")
-    # merged segments (migration 0010; trainer/segments.py)
-    positions_merged: Mapped[int | None] = mapped_column(
-        Integer, comment="token positions the step's forward passes ran (calls merged into segments)"
-    )
-    positions_unmerged: Mapped[int | None] = mapped_column(
-        Integer, comment="positions one sample per trained call would have run (prompt + completion)"
-    )
-    segment_breaks: Mapped[int | None] = mapped_column(
-        Integer, comment="calls that did not extend their run's earlier tokens: a new segment each"
-    )
+    locals().update(_step_metrics(integer=True))  # merged segments (trainer/segments.py)
 
     __table_args__ = (UniqueConstraint("policy", "step", name="uq_training_steps_policy_step"),)
 
