@@ -135,16 +135,10 @@ async def start_check(
 
 
 async def finish_check(
-    engine: AsyncEngine,
-    check_id: int,
-    *,
-    status: str,
-    reason: str,
-    prompts: int | None = None,
-    candidate_score: float | None = None,
-    serving_score: float | None = None,
+    engine: AsyncEngine, check_id: int, *, status: str, reason: str, prompts: int | None = None,
+    candidate_score: float | None = None, serving_score: float | None = None,
     pairs: list[dict[str, Any]] | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Write a check's outcome: passed, failed, skipped or error, its numbers and its reason."""
     async with write_transaction(engine) as conn:
         await conn.execute(
