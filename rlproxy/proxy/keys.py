@@ -173,9 +173,7 @@ class KeyRing:
             await asyncio.sleep(self.ttl)
             try:
                 await self.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+            except Exception as exc:  # CancelledError is not an Exception: a cancel still stops it
                 log.warning("keys: could not read the keys table (%s); keeping the last ones", exc)
 
     # ------------------------------------------------------------ limits and counters
