@@ -8,6 +8,10 @@ mode a commit survives a process crash; only a power loss can drop the last tran
 Read-only engines are enforced by the database, not by inspecting SQL: SQLite opens the file
 with the URI flag `mode=ro` and a limit of zero attached databases; PostgreSQL runs every
 transaction `READ ONLY`. `rlproxy sql` uses them for users' ad-hoc queries.
+
+(Over 400 lines: one concept, a store URL and what opening it means: the engines, the migration
+run (its file lock, its retry on a locked file), the start-up check and the file watch all apply
+the same URL rules (`normalize_url`, `sqlite_path`) and SQLite's pragmas and locks.)
 """
 
 from __future__ import annotations
