@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import column
+
 revision: str = "0013"
 down_revision: str | None = "0012"
 branch_labels: str | Sequence[str] | None = None
@@ -72,16 +74,9 @@ def upgrade() -> None:
             "fraction", sa.Float(), nullable=False, comment="share of new runs the candidate serves, 0-1"
         ),
         sa.Column("status", sa.String(length=16), nullable=False, comment="canary, promoted or rolled_back"),
-        sa.Column(
-            "decision",
-            sa.String(length=16),
-            nullable=True,
-            comment="the last look's outcome: continue, promote or rollback",
-        ),
-        sa.Column(
-            "decided_by", sa.String(length=16), nullable=True, comment="rule, or manual (rlproxy rollout)"
-        ),
-        sa.Column("reason", sa.Text(), nullable=True, comment="why, in words (the test and its numbers)"),
+        column("decision", sa.String(length=16), "the last look's outcome: continue, promote or rollback"),
+        column("decided_by", sa.String(length=16), "rule, or manual (rlproxy rollout)"),
+        column("reason", sa.Text(), "why, in words (the test and its numbers)"),
         sa.Column(
             "looks",
             sa.Integer(),
@@ -89,34 +84,27 @@ def upgrade() -> None:
             server_default="0",
             comment="looks the rule took (each spends alpha / looks)",
         ),
-        sa.Column("statistic", sa.String(length=16), nullable=True, comment="welch_t, paired_t or errors_z"),
-        sa.Column("stat_value", sa.Float(), nullable=True, comment="the statistic at the last look"),
-        sa.Column("p_value", sa.Float(), nullable=True, comment="its one-sided p-value"),
-        sa.Column(
-            "candidate_runs", sa.Integer(), nullable=True, comment="rewarded runs of the candidate arm"
-        ),
-        sa.Column(
-            "incumbent_runs", sa.Integer(), nullable=True, comment="rewarded runs of the incumbent arm"
-        ),
-        sa.Column("candidate_reward", sa.Float(), nullable=True, comment="mean reward, candidate arm"),
-        sa.Column("incumbent_reward", sa.Float(), nullable=True, comment="mean reward, incumbent arm"),
-        sa.Column(
+        column("statistic", sa.String(length=16), "welch_t, paired_t or errors_z"),
+        column("stat_value", sa.Float(), "the statistic at the last look"),
+        column("p_value", sa.Float(), "its one-sided p-value"),
+        column("candidate_runs", sa.Integer(), "rewarded runs of the candidate arm"),
+        column("incumbent_runs", sa.Integer(), "rewarded runs of the incumbent arm"),
+        column("candidate_reward", sa.Float(), "mean reward, candidate arm"),
+        column("incumbent_reward", sa.Float(), "mean reward, incumbent arm"),
+        column(
             "candidate_error_rate",
             sa.Float(),
-            nullable=True,
-            comment="share of the candidate's runs with a 5xx or a completion cut at its length",
+            "share of the candidate's runs with a 5xx or a completion cut at its length",
         ),
-        sa.Column("incumbent_error_rate", sa.Float(), nullable=True, comment="the same, incumbent arm"),
+        column("incumbent_error_rate", sa.Float(), "the same, incumbent arm"),
         sa.Column(
             "started_at",
             sa.DateTime(timezone=True),
             nullable=False,
             comment="runs created from then on are assigned",
         ),
-        sa.Column("looked_at", sa.DateTime(timezone=True), nullable=True, comment="the last look"),
-        sa.Column(
-            "decided_at", sa.DateTime(timezone=True), nullable=True, comment="promoted or rolled back at"
-        ),
+        column("looked_at", sa.DateTime(timezone=True), "the last look"),
+        column("decided_at", sa.DateTime(timezone=True), "promoted or rolled back at"),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("policy", "candidate_step", name="uq_rollouts_policy_candidate"),
     )

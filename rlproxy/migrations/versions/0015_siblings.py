@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import column
+
 revision: str = "0015"
 down_revision: str | None = "0014"
 branch_labels: str | Sequence[str] | None = None
@@ -30,22 +32,19 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.add_column(
         "runs",
-        sa.Column(
-            "branch_of",
-            sa.Integer(),
-            nullable=True,
-            comment="completions.id this sibling run answers again (NULL: an app's run)",
+        column(
+            "branch_of", sa.Integer(), "completions.id this sibling run answers again (NULL: an app's run)"
         ),
     )
     op.create_table(
         "sibling_groups",
         sa.Column("id", sa.String(length=128), nullable=False, comment="the members' runs.group_id"),
         sa.Column("completion_id", sa.Integer(), nullable=False, comment="the app's call it branched from"),
-        sa.Column("run_id", sa.String(length=128), nullable=True, comment="that call's run (NULL: untagged)"),
+        column("run_id", sa.String(length=128), "that call's run (NULL: untagged)"),
         sa.Column(
             "policy", sa.String(length=256), nullable=False, comment="policy that sampled every member"
         ),
-        sa.Column("policy_step", sa.Integer(), nullable=True, comment="step that sampled them (0 = base)"),
+        column("policy_step", sa.Integer(), "step that sampled them (0 = base)"),
         sa.Column(
             "k", sa.Integer(), nullable=False, comment="members, the app's answer included when with_original"
         ),
@@ -61,19 +60,19 @@ def upgrade() -> None:
             nullable=False,
             comment="new, alone or plateau (settings.siblings)",
         ),
-        sa.Column("temperature", sa.Float(), nullable=True, comment="sampling temperature of the siblings"),
+        column("temperature", sa.Float(), "sampling temperature of the siblings"),
         sa.Column(
             "status", sa.String(length=16), nullable=False, comment="sampling, scoring, scored or failed"
         ),
-        sa.Column("scorer", sa.String(length=32), nullable=True, comment="checks, url or judge (+checks)"),
+        column("scorer", sa.String(length=32), "checks, url or judge (+checks)"),
         sa.Column(
             "attempts", sa.Integer(), server_default="0", nullable=False, comment="scorer calls made so far"
         ),
-        sa.Column("error", sa.Text(), nullable=True, comment="why it failed (the last scorer error)"),
-        sa.Column("sampled_tokens", sa.Integer(), nullable=True, comment="tokens the siblings sampled"),
-        sa.Column("sample_ms", sa.Float(), nullable=True, comment="engine wall time of the siblings, ms"),
+        column("error", sa.Text(), "why it failed (the last scorer error)"),
+        column("sampled_tokens", sa.Integer(), "tokens the siblings sampled"),
+        column("sample_ms", sa.Float(), "engine wall time of the siblings, ms"),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("scored_at", sa.DateTime(timezone=True), nullable=True),
+        column("scored_at", sa.DateTime(timezone=True)),
         sa.ForeignKeyConstraint(["completion_id"], ["completions.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("completion_id", name="uq_sibling_groups_completion"),
@@ -93,20 +92,15 @@ def upgrade() -> None:
             nullable=False,
             comment="running, passed, failed (rolled back) or error",
         ),
-        sa.Column("prompts", sa.Integer(), nullable=True, comment="prompt pairs scored"),
-        sa.Column("candidate_score", sa.Float(), nullable=True, comment="mean score of the candidate"),
-        sa.Column("serving_score", sa.Float(), nullable=True, comment="mean score of the serving step"),
-        sa.Column("margin", sa.Float(), nullable=True, comment="shadow_margin in force"),
-        sa.Column("scorer", sa.String(length=32), nullable=True),
-        sa.Column(
-            "pairs",
-            sa.JSON(),
-            nullable=True,
-            comment='JSON list of {"completion_id", "candidate", "serving"} scores',
-        ),
-        sa.Column("reason", sa.Text(), nullable=True, comment="the decision in words"),
+        column("prompts", sa.Integer(), "prompt pairs scored"),
+        column("candidate_score", sa.Float(), "mean score of the candidate"),
+        column("serving_score", sa.Float(), "mean score of the serving step"),
+        column("margin", sa.Float(), "shadow_margin in force"),
+        column("scorer", sa.String(length=32)),
+        column("pairs", sa.JSON(), 'JSON list of {"completion_id", "candidate", "serving"} scores'),
+        column("reason", sa.Text(), "the decision in words"),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
+        column("finished_at", sa.DateTime(timezone=True)),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("policy", "candidate_step", name="uq_shadow_checks_candidate"),
     )

@@ -25,6 +25,8 @@ from importlib import import_module
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import JSON, column
+
 revision: str = "0017"
 down_revision: str | None = "0016"
 branch_labels: str | Sequence[str] | None = None
@@ -46,44 +48,34 @@ def upgrade() -> None:
         sa.Column(
             "secret_hash", sa.String(length=64), nullable=False, comment="sha256 hex of the secret (rk-...)"
         ),
-        sa.Column(
-            "policies",
-            sa.JSON(none_as_null=True),
-            nullable=True,
-            comment="JSON list of policies it may use; NULL: all",
-        ),
-        sa.Column("rpm", sa.Integer(), nullable=True, comment="requests per minute (NULL: no limit)"),
-        sa.Column("tpm", sa.Integer(), nullable=True, comment="tokens per minute (NULL: no limit)"),
-        sa.Column("max_streams", sa.Integer(), nullable=True, comment="streams in flight (NULL: no limit)"),
-        sa.Column("scorer_url", sa.Text(), nullable=True, comment="its own scorer for siblings (NULL: none)"),
+        column("policies", JSON, "JSON list of policies it may use; NULL: all"),
+        column("rpm", sa.Integer(), "requests per minute (NULL: no limit)"),
+        column("tpm", sa.Integer(), "tokens per minute (NULL: no limit)"),
+        column("max_streams", sa.Integer(), "streams in flight (NULL: no limit)"),
+        column("scorer_url", sa.Text(), "its own scorer for siblings (NULL: none)"),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True, comment="NULL: valid"),
-        sa.Column(
+        column("revoked_at", sa.DateTime(timezone=True), "NULL: valid"),
+        column(
             "last_used_at",
             sa.DateTime(timezone=True),
-            nullable=True,
-            comment="last request seen (updated once a minute at most per replica)",
+            "last request seen (updated once a minute at most per replica)",
         ),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("name"),
     )
     op.add_column(
         "runs",
-        sa.Column(
-            "key_id",
-            sa.String(length=32),
-            nullable=True,
-            comment="keys.id of the app that made it (NULL: the shared agents' key)",
+        column(
+            "key_id", sa.String(length=32), "keys.id of the app that made it (NULL: the shared agents' key)"
         ),
     )
     op.create_index("ix_runs_key_id", "runs", ["key_id"])
     op.add_column(
         "completions",
-        sa.Column(
+        column(
             "key_id",
             sa.String(length=32),
-            nullable=True,
-            comment="keys.id of the app that made the call (NULL: the shared agents' key)",
+            "keys.id of the app that made the call (NULL: the shared agents' key)",
         ),
     )
     op.execute("DROP VIEW IF EXISTS rollout_runs")
