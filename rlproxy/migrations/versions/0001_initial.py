@@ -108,18 +108,18 @@ FROM runs AS r
 def upgrade() -> None:
     op.create_table(
         "runs",
-        sa.Column("id", sa.String(length=128), nullable=False, comment="X-Run-Id of the episode"),
+        column("id", sa.String(length=128), "X-Run-Id of the episode", nullable=False),
         column(
             "group_id",
             sa.String(length=128),
             "X-Group-Id, or a hash of policy+tools+prompt of its first completion",
         ),
         column("policy", sa.String(length=256), "policy of its first completion"),
-        sa.Column("status", sa.String(length=16), nullable=False),
+        column("status", sa.String(length=16), nullable=False),
         column("reward", sa.Float()),
         column("metrics", JSON, "named numbers posted with the reward"),
         column("metadata", JSON, "free JSON posted with the reward"),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        column("created_at", sa.DateTime(timezone=True), nullable=False),
         column("completed_at", sa.DateTime(timezone=True), "when rewarded"),
         column("trained_step", sa.Integer(), "training_steps.step that used it"),
         sa.PrimaryKeyConstraint("id"),
@@ -132,11 +132,9 @@ def upgrade() -> None:
 
     op.create_table(
         "training_steps",
-        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
-        sa.Column(
-            "step", sa.Integer(), nullable=False, comment="1,2,... per policy; adapter served as policy@step"
-        ),
-        sa.Column("policy", sa.String(length=256), nullable=False),
+        column("id", sa.Integer(), nullable=False, autoincrement=True),
+        column("step", sa.Integer(), "1,2,... per policy; adapter served as policy@step", nullable=False),
+        column("policy", sa.String(length=256), nullable=False),
         column("adapter_path", sa.Text(), "checkpoint folder holding the adapter"),
         column("started_at", sa.DateTime(timezone=True)),
         column("finished_at", sa.DateTime(timezone=True)),
@@ -152,7 +150,7 @@ def upgrade() -> None:
     )
     op.create_table(
         "completions",
-        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
+        column("id", sa.Integer(), nullable=False, autoincrement=True),
         column("run_id", sa.String(length=128), "NULL when the request carried no run key"),
         column("seq", sa.Integer(), "0,1,2,... order of the call within its run"),
         column("policy", sa.String(length=256), "policy the request named"),
@@ -173,7 +171,7 @@ def upgrade() -> None:
         column("ttft_ms", sa.Float(), "time to first token (streams)"),
         column("prompt_tokens", sa.Integer()),
         column("completion_tokens", sa.Integer()),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(["run_id"], ["runs.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("run_id", "seq", name="uq_completions_run_seq"),

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from rlproxy.migrations.columns import add_column
+from rlproxy.migrations.columns import add_column, column
 
 revision: str = "0005"
 down_revision: str | None = "0004"
@@ -42,9 +42,7 @@ KIND_COMMENT = "grpo, or sft for supervised steps"
 def upgrade() -> None:
     for name, comment in FLOAT_COLUMNS:
         add_column("training_steps", sa.Column(name, sa.Float(), comment=comment))
-    kind = sa.Column(
-        "kind", sa.String(length=16), nullable=False, server_default="grpo", comment=KIND_COMMENT
-    )
+    kind = column("kind", sa.String(length=16), KIND_COMMENT, nullable=False, server_default="grpo")
     add_column("training_steps", kind)
 
 

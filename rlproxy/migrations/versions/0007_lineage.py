@@ -35,11 +35,11 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.create_table(
         "policies",
-        sa.Column("name", sa.String(length=256), nullable=False, comment="the policy"),
+        column("name", sa.String(length=256), "the policy", nullable=False),
         column("parent", sa.String(length=256), "policy it was forked from"),
         column("parent_step", sa.Integer(), "step of parent it was forked from"),
         column("init_adapter", sa.Text(), "LoRA folder it started from (--init-adapter)"),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("name"),
     )
 

@@ -28,7 +28,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from rlproxy.migrations.columns import add_column
+from rlproxy.migrations.columns import add_column, column
 
 revision: str = "0008"
 down_revision: str | None = "0007"
@@ -60,9 +60,7 @@ GROUP BY policy, step
 
 
 def upgrade() -> None:
-    split = sa.Column(
-        "split", sa.String(length=8), nullable=False, server_default="train", comment=SPLIT_COMMENT
-    )
+    split = column("split", sa.String(length=8), SPLIT_COMMENT, nullable=False, server_default="train")
     add_column("runs", split)
     for name, type_, comment in STEP_COLUMNS:
         add_column("training_steps", sa.Column(name, type_, comment=comment))

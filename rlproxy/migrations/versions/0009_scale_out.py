@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from rlproxy.migrations.columns import add_column
+from rlproxy.migrations.columns import add_column, column
 
 revision: str = "0009"
 down_revision: str | None = "0008"
@@ -33,9 +33,7 @@ COMMENT = "seq the run's next completion gets (the writers' counter, see storage
 
 
 def upgrade() -> None:
-    add_column(
-        "runs", sa.Column("next_seq", sa.Integer(), nullable=False, server_default="0", comment=COMMENT)
-    )
+    add_column("runs", column("next_seq", sa.Integer(), COMMENT, nullable=False, server_default="0"))
     op.execute(
         "UPDATE runs SET next_seq = COALESCE("
         "(SELECT MAX(seq) + 1 FROM completions WHERE completions.run_id = runs.id), 0)"

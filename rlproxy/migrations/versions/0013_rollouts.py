@@ -64,25 +64,21 @@ ROLLOUT_RUNS_VIEW = rollout_runs_view()
 def upgrade() -> None:
     op.create_table(
         "rollouts",
-        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
-        sa.Column("policy", sa.String(length=256), nullable=False, comment="the policy"),
-        sa.Column("candidate_step", sa.Integer(), nullable=False, comment="the new step on trial"),
-        sa.Column(
-            "incumbent_step", sa.Integer(), nullable=False, comment="the step it would replace (0 = base)"
-        ),
-        sa.Column(
-            "fraction", sa.Float(), nullable=False, comment="share of new runs the candidate serves, 0-1"
-        ),
-        sa.Column("status", sa.String(length=16), nullable=False, comment="canary, promoted or rolled_back"),
+        column("id", sa.Integer(), nullable=False, autoincrement=True),
+        column("policy", sa.String(length=256), "the policy", nullable=False),
+        column("candidate_step", sa.Integer(), "the new step on trial", nullable=False),
+        column("incumbent_step", sa.Integer(), "the step it would replace (0 = base)", nullable=False),
+        column("fraction", sa.Float(), "share of new runs the candidate serves, 0-1", nullable=False),
+        column("status", sa.String(length=16), "canary, promoted or rolled_back", nullable=False),
         column("decision", sa.String(length=16), "the last look's outcome: continue, promote or rollback"),
         column("decided_by", sa.String(length=16), "rule, or manual (rlproxy rollout)"),
         column("reason", sa.Text(), "why, in words (the test and its numbers)"),
-        sa.Column(
+        column(
             "looks",
             sa.Integer(),
+            "looks the rule took (each spends alpha / looks)",
             nullable=False,
             server_default="0",
-            comment="looks the rule took (each spends alpha / looks)",
         ),
         column("statistic", sa.String(length=16), "welch_t, paired_t or errors_z"),
         column("stat_value", sa.Float(), "the statistic at the last look"),
@@ -97,11 +93,8 @@ def upgrade() -> None:
             "share of the candidate's runs with a 5xx or a completion cut at its length",
         ),
         column("incumbent_error_rate", sa.Float(), "the same, incumbent arm"),
-        sa.Column(
-            "started_at",
-            sa.DateTime(timezone=True),
-            nullable=False,
-            comment="runs created from then on are assigned",
+        column(
+            "started_at", sa.DateTime(timezone=True), "runs created from then on are assigned", nullable=False
         ),
         column("looked_at", sa.DateTime(timezone=True), "the last look"),
         column("decided_at", sa.DateTime(timezone=True), "promoted or rolled back at"),

@@ -43,17 +43,15 @@ _PINNED = {"sqlite": "json_extract(c.request, '$.model')", "postgresql": "(c.req
 def upgrade() -> None:
     op.create_table(
         "keys",
-        sa.Column("id", sa.String(length=32), nullable=False, comment="public id, key_<hex>"),
-        sa.Column("name", sa.String(length=128), nullable=False, comment="the operator's name for the app"),
-        sa.Column(
-            "secret_hash", sa.String(length=64), nullable=False, comment="sha256 hex of the secret (rk-...)"
-        ),
+        column("id", sa.String(length=32), "public id, key_<hex>", nullable=False),
+        column("name", sa.String(length=128), "the operator's name for the app", nullable=False),
+        column("secret_hash", sa.String(length=64), "sha256 hex of the secret (rk-...)", nullable=False),
         column("policies", JSON, "JSON list of policies it may use; NULL: all"),
         column("rpm", sa.Integer(), "requests per minute (NULL: no limit)"),
         column("tpm", sa.Integer(), "tokens per minute (NULL: no limit)"),
         column("max_streams", sa.Integer(), "streams in flight (NULL: no limit)"),
         column("scorer_url", sa.Text(), "its own scorer for siblings (NULL: none)"),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        column("created_at", sa.DateTime(timezone=True), nullable=False),
         column("revoked_at", sa.DateTime(timezone=True), "NULL: valid"),
         column(
             "last_used_at",
