@@ -243,15 +243,9 @@ def play_episode(
 
 
 def run_group(
-    client: OpenAI,
-    model: str,
-    base_url: str,
-    api_key: str = "not-needed",
-    group_size: int = 8,
-    temperature: float = TEMPERATURE,
-    max_tokens: int = MAX_TOKENS,
-    seed: int | None = None,
-) -> list[Episode]:
+    client: OpenAI, model: str, base_url: str, api_key: str = "not-needed", group_size: int = 8,
+    temperature: float = TEMPERATURE, max_tokens: int = MAX_TOKENS, seed: int | None = None,
+) -> list[Episode]:  # fmt: skip
     """Play one group (the same question for every episode) at the same time; post each reward.
 
     `seed` makes the question and every sampling call reproducible (the group's n-th episode gets

@@ -103,16 +103,9 @@ def play_episode(
 
 
 def run_group(
-    client: OpenAI,
-    model: str,
-    base_url: str,
-    api_key: str = "not-needed",
-    group_size: int = 8,
-    temperature: float = 1.0,
-    max_tokens: int = 8,
-    seed: int | None = None,
-    prompt: str = FIRST_PROMPT,
-) -> list[Episode]:
+    client: OpenAI, model: str, base_url: str, api_key: str = "not-needed", group_size: int = 8,
+    temperature: float = 1.0, max_tokens: int = 8, seed: int | None = None, prompt: str = FIRST_PROMPT,
+) -> list[Episode]:  # fmt: skip
     """Play one group of episodes at the same time and post each reward as its episode ends.
 
     `seed` makes every sampling call reproducible (episode n of the group gets seeds derived from

@@ -64,31 +64,14 @@ TASKS: dict[str, Any] = {"number": number_game, "directory": directory}  # name 
 
 
 def run_demo(
-    minutes: float = 10.0,
-    model: str = "smollm2-135m",
-    out_dir: str | Path = "demo-output",
-    fast: bool = False,
-    *,
-    task: str = "number",
-    backend: str = "embedded",
-    group_size: int | None = None,
-    learning_rate: float | None = None,
-    seed: int = 0,
-    goal: float = 0.5,
-    patience: int = 3,
-    max_groups: int | None = None,
-    threads: int | None = None,
-    temperature: float | None = None,
-    max_tokens: int | None = None,
-    echo: Callable[[str], None] | None = None,
-    rollout: str = "immediate",
-    eval_episodes: int | None = None,
-    signal_mode: str | None = None,
-    siblings: str | None = None,
-    scorer: str | None = None,
-    shadow: int | None = None,
-    rung_minutes: float | None = None,
-) -> dict[str, Any]:
+    minutes: float = 10.0, model: str = "smollm2-135m", out_dir: str | Path = "demo-output",
+    fast: bool = False, *, task: str = "number", backend: str = "embedded", group_size: int | None = None,
+    learning_rate: float | None = None, seed: int = 0, goal: float = 0.5, patience: int = 3,
+    max_groups: int | None = None, threads: int | None = None, temperature: float | None = None,
+    max_tokens: int | None = None, echo: Callable[[str], None] | None = None, rollout: str = "immediate",
+    eval_episodes: int | None = None, signal_mode: str | None = None, siblings: str | None = None,
+    scorer: str | None = None, shadow: int | None = None, rung_minutes: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Run the demo and return the summary (also written to `out_dir/summary.json`).
 
     The directory task is also measured in rungs (demo/rungs.py): `eval_episodes` fixed prompts
