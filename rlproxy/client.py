@@ -225,14 +225,9 @@ R = TypeVar("R", bound=_RunBase)
 
 
 def _new(
-    cls: type[R],
-    base_url: str | None,
-    api_key: str | None,
-    run_id: str | None,
-    group_id: str | None,
-    split: str | None,
-    kw: dict[str, Any],
-) -> R:
+    cls: type[R], base_url: str | None, api_key: str | None, run_id: str | None, group_id: str | None,
+    split: str | None, kw: dict[str, Any],
+) -> R:  # fmt: skip
     """A `cls` run with the defaults of `run` filled in (the environment's URL and key, a new id)."""
     base, key, rid = _settings(base_url, api_key, run_id)
     return cls(base, key, rid, group_id, split, **kw)
@@ -240,13 +235,9 @@ def _new(
 
 @contextmanager
 def run(
-    base_url: str | None = None,
-    api_key: str | None = None,
-    run_id: str | None = None,
-    group_id: str | None = None,
-    split: str | None = None,
-    **openai_kwargs: Any,
-) -> Iterator[Run]:
+    base_url: str | None = None, api_key: str | None = None, run_id: str | None = None,
+    group_id: str | None = None, split: str | None = None, **openai_kwargs: Any,
+) -> Iterator[Run]:  # fmt: skip
     """One run: `base_url` is the proxy's `/v1` URL (default `OPENAI_BASE_URL`), `api_key` its agents'
     key (default `OPENAI_API_KEY`), `run_id` a new `run-<hex>` unless given, `split="val"` a
     validation run; `openai_kwargs` go to `openai.OpenAI` (`max_retries=`, `timeout=`,
@@ -260,13 +251,9 @@ def run(
 
 @asynccontextmanager
 async def arun(
-    base_url: str | None = None,
-    api_key: str | None = None,
-    run_id: str | None = None,
-    group_id: str | None = None,
-    split: str | None = None,
-    **openai_kwargs: Any,
-) -> AsyncIterator[AsyncRun]:
+    base_url: str | None = None, api_key: str | None = None, run_id: str | None = None,
+    group_id: str | None = None, split: str | None = None, **openai_kwargs: Any,
+) -> AsyncIterator[AsyncRun]:  # fmt: skip
     """`run` for asyncio code: `async with rlproxy.client.arun(...) as run:`."""
     r = _new(AsyncRun, base_url, api_key, run_id, group_id, split, openai_kwargs)
     try:

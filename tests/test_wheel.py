@@ -1,7 +1,7 @@
 """The built wheel holds every file the package reads at run time, not only its Python modules.
 
 An installed rlproxy (`pip install rlproxy`, the Docker image) reads the dashboard's page, scripts
-and styles (proxy/static/), the migrations' alembic.ini and mako template and storage/schema.sql
+and styles (proxy/static/), the migrations' alembic.ini and mako template
 from its own folder. Package data is listed by hand in pyproject.toml; a file it misses works in
 a clone and is a 500 once installed (issue 56: style.css). This builds the wheel from a copy of the
 tracked sources and compares its file list with every file under rlproxy/ that is not Python. The

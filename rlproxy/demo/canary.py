@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from rlproxy.demo.harness import Loop
 
 CANARY_ENV = {
     "RLPROXY_ROLLOUT": "canary",
@@ -43,41 +44,18 @@ def _rollouts(db: Path) -> list[tuple[Any, ...]]:
         con.close()
 
 
-def canary_loop(
-    base: str,
-    plan: Any,
-    agent: Any,
-    rows: list[dict[str, Any]],
-    started: float,
-    echo: Callable[[str], None],
-    db: Path,
-) -> str:
+def canary_loop(loop: Loop) -> str:
     """Sample groups until the first promotion (or time, max_groups); returns why it stopped."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
-    policy = agent.default_model(client)
-    deadline = started + plan.minutes * 60
+    deadline = loop.started + loop.plan.minutes * 60
     seen: dict[int, str] = {}
     while True:
-        if plan.max_groups is not None and len(rows) >= plan.max_groups:
-            return "max_groups"
-        if time.monotonic() > deadline:
-            return "time"
+        if (why := loop.stop(deadline, paced=False)) is not None:
+            return why
         t0 = time.monotonic()
-        episodes = agent.run_group(
-            client,
-            policy,
-            f"{base}/v1",
-            "not-needed",
-            plan.group_size,
-            plan.temperature,
-            plan.max_tokens,
-            seed=plan.seed * 100_000 + len(rows),
-        )
+        episodes = loop.group()
         rewards = [e.reward for e in episodes]
         row = {
-            "group": len(rows) + 1,
+            "group": len(loop.rows) + 1,
             "step": None,
             "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
             "runs": len(episodes),
@@ -87,17 +65,17 @@ def canary_loop(
             "status": "sampled",
             "example": episodes[0].replies if episodes else [],
         }
-        rows.append(row)
-        total_s = time.monotonic() - started
-        echo(f"group {row['group']:3d}  reward {row['mean_reward']:.3f}  {total_s:6.0f}s total")
-        for rid, cand, inc, status, reason, nc, ni, rc, ri in _rollouts(db):
+        loop.rows.append(row)
+        total_s = time.monotonic() - loop.started
+        loop.echo(f"group {row['group']:3d}  reward {row['mean_reward']:.3f}  {total_s:6.0f}s total")
+        for rid, cand, inc, status, reason, nc, ni, rc, ri in _rollouts(loop.db):
             if seen.get(rid) == status:
                 continue
             seen[rid] = status
             if status == "canary":
-                echo(f"  canary: step {cand} serves half of the new runs, step {inc} the rest")
+                loop.echo(f"  canary: step {cand} serves half of the new runs, step {inc} the rest")
             else:
                 arms = f"candidate {nc} runs, reward {rc:.3f}; incumbent {ni} runs, reward {ri:.3f}"
-                echo(f"  step {cand} {status.replace('_', ' ')} over step {inc}: {reason} ({arms})")
+                loop.echo(f"  step {cand} {status.replace('_', ' ')} over step {inc}: {reason} ({arms})")
                 if status == "promoted":
                     return "promoted"

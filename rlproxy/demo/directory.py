@@ -31,26 +31,19 @@ well-formed call is far rarer at first; without it most groups' rewards are all 
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
-import os
 import random
 import re
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from openai import OpenAI
 
-from rlproxy.demo.number_game import default_model, post_reward
+from rlproxy.demo.episodes import Episode, main, play_all, sampled
 
 TOOL_OPEN = "<tool_call>"
-
-log = logging.getLogger(__name__)
 
 NAME = "directory"
 TEMPERATURE = 0.7  # an untrained 135M model at 1.0 rarely stays on topic; greedy would never explore
@@ -160,17 +153,6 @@ def expert(body: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", "content": ", ".join(f"{p}: {found[p]}" for p in people)}
 
 
-@dataclass
-class Episode:
-    run_id: str
-    group_id: str
-    reward: float
-    replies: list[str]
-    metrics: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    calls: int = 0  # model calls made
-
-
 def _show(message: Any) -> str:
     """A reply as one short string for the progress lines: its text, or its tool call."""
     if message.tool_calls:
@@ -198,11 +180,8 @@ def play_episode(
     topic: str | None = None,
 ) -> Episode:
     """The agent loop: call the model, run its tool call, repeat; ends on an answer or MAX_CALLS.
-    `split="val"` makes it a validation run (served and stored, never trained: the demo's rungs);
-    `group_id` None sends no group header (the store groups by the first prompt)."""
+    (`group_id`, `split`: episodes.sampled)."""
     run_id = f"dir-{uuid.uuid4().hex[:16]}"
-    headers = {"X-Run-Id": run_id, **({"X-Group-Id": group_id} if group_id else {})}
-    headers |= {"X-Split": split} if split else {}
     well_formed = 0  # replies the server parsed into a lookup tool call (the first reward component)
     started = time.monotonic()
     messages: list[dict[str, Any]] = [
@@ -213,16 +192,10 @@ def play_episode(
     replies: list[str] = []
     answer: str | None = None
     attempted = False
+    sampling = sampled(model, temperature, max_tokens, run_id, group_id, split)
     for call in range(MAX_CALLS):
-        completion = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            tools=TOOLS,
-            temperature=temperature,
-            max_tokens=max_tokens,
-            seed=None if seed is None else seed * 100 + call,
-            extra_headers=headers,
-        )
+        seed_n = None if seed is None else seed * 100 + call
+        completion = client.chat.completions.create(messages=messages, tools=TOOLS, seed=seed_n, **sampling)
         message = completion.choices[0].message
         replies.append(_show(message))
         attempted = attempted or bool(message.tool_calls) or TOOL_OPEN in (message.content or "")
@@ -270,15 +243,9 @@ def play_episode(
 
 
 def run_group(
-    client: OpenAI,
-    model: str,
-    base_url: str,
-    api_key: str = "not-needed",
-    group_size: int = 8,
-    temperature: float = TEMPERATURE,
-    max_tokens: int = MAX_TOKENS,
-    seed: int | None = None,
-) -> list[Episode]:
+    client: OpenAI, model: str, base_url: str, api_key: str = "not-needed", group_size: int = 8,
+    temperature: float = TEMPERATURE, max_tokens: int = MAX_TOKENS, seed: int | None = None,
+) -> list[Episode]:  # fmt: skip
     """Play one group (the same question for every episode) at the same time; post each reward.
 
     `seed` makes the question and every sampling call reproducible (the group's n-th episode gets
@@ -290,42 +257,10 @@ def run_group(
 
     def one(i: int) -> Episode:
         episode_seed = None if seed is None else seed * 1000 + i
-        episode = play_episode(client, model, group_id, people, temperature, max_tokens, episode_seed)  # type: ignore[arg-type]
-        post_reward(base_url, api_key, episode.run_id, episode.reward, episode.metrics)
-        return episode
+        return play_episode(client, model, group_id, people, temperature, max_tokens, episode_seed)  # type: ignore[arg-type]
 
-    with ThreadPoolExecutor(max_workers=group_size) as pool:
-        return list(pool.map(one, range(group_size)))
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--groups", type=int, default=10, help="groups to play, one after the other")
-    p.add_argument("--group-size", type=int, default=8, help="episodes per group, played concurrently")
-    p.add_argument("--model", default=None, help="model (policy) name; default: the server's first model")
-    p.add_argument("--temperature", type=float, default=TEMPERATURE)
-    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens per model call")
-    p.add_argument("--seed", type=int, default=None, help="questions and sampling seeds; default random")
-    p.add_argument("--json", action="store_true", help="print one JSON line per episode")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    base_url = os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
-    api_key = os.environ.get("OPENAI_API_KEY", "not-needed")
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=1)
-    model = args.model or default_model(client)
-    for g in range(args.groups):
-        seed = None if args.seed is None else args.seed * 10_000 + g
-        episodes = run_group(
-            client, model, base_url, api_key, args.group_size, args.temperature, args.max_tokens, seed
-        )
-        if args.json:
-            for e in episodes:
-                sys.stdout.write(json.dumps(asdict(e)) + "\n")
-        mean = sum(e.reward for e in episodes) / len(episodes)
-        log.info("group %d/%d: mean reward %.3f  e.g. %r", g + 1, args.groups, mean, episodes[0].replies)
-    return 0
+    return play_all(group_size, one, base_url, api_key=api_key)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.modules[__name__]))

@@ -30,9 +30,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -42,20 +40,9 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
-from rlproxy.demo import directory
-from rlproxy.demo.number_game import default_model
+from rlproxy.demo import directory, harness
+from rlproxy.demo.episodes import default_model
 from rlproxy.demo.provider import Provider, ProviderServer
-from rlproxy.demo.run import (
-    PeakRSS,
-    _describe,
-    _echo,
-    _mean,
-    changed_settings,
-    start_server,
-    stop_server,
-    wait_policy_step,
-    wait_trained,
-)
 from rlproxy.demo.rungs import COMPONENTS, components, evaluate, line, play, prompt_split, rung
 
 TEACHER = "teacher"
@@ -67,11 +54,6 @@ CEILING_GROUPS = 3  # RL stops after this many groups in a row scored the best r
 SFT_EPOCHS = 4
 SFT_BATCH = 8
 SFT_LR = 1e-3  # LoRA r=8 on SmolLM2-135M: the trainer's measured rate for the model size
-
-
-def _sft_command() -> list[str]:
-    exe = Path(sys.executable).with_name("rlproxy")
-    return [str(exe)] if exe.is_file() else [sys.executable, "-c", "from rlproxy.cli.main import app; app()"]
 
 
 def run_distill_demo(
@@ -93,7 +75,7 @@ def run_distill_demo(
 ) -> dict[str, Any]:
     """Run the three rungs and return the summary (also `out_dir/summary.json`). fast=True is the CI
     variant: the tiny random model and a handful of episodes (the plumbing, not the learning)."""
-    echo = echo or _echo
+    echo = echo or harness.print_line
     started = time.monotonic()
     if fast:
         model = "tiny"
@@ -104,45 +86,28 @@ def run_distill_demo(
     n_rl = RL_GROUPS if rl_groups is None else rl_groups
     teach_pairs, eval_pairs, rl_pairs = prompt_split(seed, n_teacher, n_eval, n_rl)
     temperature, max_tokens = directory.TEMPERATURE, directory.MAX_TOKENS
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in ("rlproxy.db", "rlproxy.db-wal", "rlproxy.db-shm", "summary.json"):
-        (out / stale).unlink(missing_ok=True)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-
+    out = harness.fresh_out(out_dir)
     provider = Provider(directory.expert, api_key=f"sk-{secrets.token_hex(16)}", model="hosted-expert")
     teacher_server = ProviderServer(provider).start()
-    threads = threads or max(1, min(os.cpu_count() or 1, 4))
-    env = {
-        "RLPROXY_CHECKPOINT_DIR": str(out / "checkpoints"),
-        "RLPROXY_POLL_INTERVAL": "0.2",
+    env = harness.serve_env(out, threads, seed, learning_rate, embedded=True) | {
         "RLPROXY_POLICY_POLL_INTERVAL": "0.5",
-        "RLPROXY_KEEP_CHECKPOINTS": "2",
-        "RLPROXY_UNLOAD_GRACE": "5",
-        "RLPROXY_TRAIN_THREADS": str(threads),
-        "RLPROXY_ENGINE_THREADS": str(threads),
-        "RLPROXY_SEED": str(seed),
         # the teacher: a hosted, text-only upstream (one setting away from a real provider)
         "RLPROXY_HOSTED_UPSTREAMS": f"{TEACHER}={teacher_server.url}",
         "RLPROXY_HOSTED_MODELS": f"{TEACHER}=hosted-expert",
         "RLPROXY_UPSTREAM_API_KEY": provider.api_key,
     }
-    if learning_rate is not None:
-        env["RLPROXY_LEARNING_RATE"] = str(learning_rate)
-    flags = {"backend": "embedded", "model": model, "db_url": f"sqlite+aiosqlite:///{out / 'rlproxy.db'}"}
-    flags |= {"host": "127.0.0.1", "port": 0, "train": True, "group_size": group_size}
-    changed = changed_settings(flags, env)
+    changed = harness.changed_settings(env, out, "embedded", model, group_size)
     echo(
         f"rlproxy demo --teacher: directory task, teacher = a scripted expert behind its own "
         f"OpenAI-compatible endpoint {teacher_server.url} (it stands for a hosted model), student = "
         f"{model}, seed {seed}; {n_teacher} teacher episodes, {n_eval} fresh prompts per rung, "
         f"up to {n_rl} RL groups of {group_size}"
     )
-    echo(f"settings changed from the defaults: {_describe(changed)}")
-    proc, base = start_server(out, model, 0, group_size, env)
-    rss = PeakRSS(proc.pid)
+    echo(f"settings changed from the defaults: {harness.describe(changed)}")
+    proc, base = harness.start_server(out, model, 0, group_size, env)
+    rss = harness.PeakRSS(proc.pid)
     rss.start()
-    client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
+    client = harness.openai_client(base)
     rungs: list[dict[str, Any]] = []
     rl_rows: list[dict[str, Any]] = []
     timings: dict[str, float] = {"startup": round(time.monotonic() - started, 1)}
@@ -163,8 +128,8 @@ def run_distill_demo(
 
             # 3. distill, as a user would: `rlproxy sft --from-policy teacher --into student`
             t0 = time.monotonic()
-            _distill(out, model, base_policy, sft_epochs, sft_lr, threads, env, echo)
-            wait_policy_step(http, STUDENT, 1, timeout=120)
+            _distill(out, model, base_policy, sft_epochs, sft_lr, env, echo)
+            harness.wait_policy_step(http, STUDENT, 1, timeout=120)
             timings["sft"] = round(time.monotonic() - t0, 1)
             rungs.append(evaluate(client, base, STUDENT, "sft", eval_pairs, seed, echo))
 
@@ -191,7 +156,7 @@ def run_distill_demo(
     except KeyboardInterrupt:
         stop_reason = "interrupted"
     finally:
-        stop_server(proc)
+        harness.stop_server(proc)
         peak = rss.stop()
         teacher_server.stop()
     summary = {
@@ -240,17 +205,17 @@ def _distill(
     policy: str,
     epochs: int,
     lr: float,
-    threads: int,
     env: dict[str, str],
     echo: Callable[[str], None],
 ) -> None:
-    cmd = [*_sft_command(), "sft", "--policy", policy, "--from-policy", TEACHER, "--into", STUDENT,
-           "--min-reward", "0.9", "--epochs", str(epochs), "--batch-size", str(SFT_BATCH),
-           "--learning-rate", str(lr), "--db", str(out / "rlproxy.db"), "--model", model,
-           "--checkpoint-dir", str(out / "checkpoints")]  # fmt: skip
-    echo("distilling: " + " ".join(cmd[len(_sft_command()) :]))
-    child_env = {**os.environ, **env, "RLPROXY_TRAIN_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env)
+    args = ["sft", "--policy", policy, "--from-policy", TEACHER, "--into", STUDENT, "--min-reward", "0.9",
+            "--epochs", str(epochs), "--batch-size", str(SFT_BATCH), "--learning-rate", str(lr), "--model",
+            model, "--db", str(out / "rlproxy.db"), "--checkpoint-dir", str(out / "checkpoints")]  # fmt: skip
+    echo("distilling: " + " ".join(args))
+    child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        harness.cli(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env
+    )
     assert proc.stdout is not None
     for out_line in proc.stdout:
         echo("  " + out_line.rstrip())
@@ -273,15 +238,12 @@ def _rl_group(
     episodes = play(client, f"{base}/v1", STUDENT, [pair] * size, group_id=gid,
                     temperature=directory.TEMPERATURE, max_tokens=directory.MAX_TOKENS,
                     seed=seed * 100_000 + g)  # fmt: skip
-    runs = wait_trained(http, gid, size, timeout=600)
-    trained = [r["trained_step"] for r in runs if r["status"] == "trained" and r["trained_step"]]
-    if trained:
-        wait_policy_step(http, STUDENT, max(trained))
+    runs, trained = harness.wait_group(http, gid, size, STUDENT)
     row = {
         "group": g + 1,
         "step": max(trained) if trained else None,
-        "mean_reward": _mean([e.reward for e in episodes]),
-        **{c: _mean([components(e)[c] for e in episodes]) for c in COMPONENTS},
+        "mean_reward": harness.mean([e.reward for e in episodes]),
+        **{c: harness.mean([components(e)[c] for e in episodes]) for c in COMPONENTS},
         "seconds": round(time.monotonic() - t0, 1),
         "status": "trained" if trained else runs[0]["status"],
     }

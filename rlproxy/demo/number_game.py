@@ -23,19 +23,14 @@ package (not only under examples/) so that `rlproxy demo` runs from a plain `pip
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import os
 import re
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 
-import httpx
 from openai import OpenAI
+
+from rlproxy.demo.episodes import Episode, main, play_all, sampled
 
 FIRST_PROMPT = "Pick a number between 1 and 10. Reply with digits only."
 SECOND_PROMPT = "Add one to your number and reply with only the result."
@@ -72,30 +67,6 @@ def score(first_reply: str | None, second_reply: str | None) -> tuple[float, dic
     return round(reward, 6), {"digits_only": float(digits_only), "correct": float(correct)}
 
 
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class Episode:
-    run_id: str
-    group_id: str
-    reward: float
-    replies: list[str]
-    metrics: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-
-
-def post_reward(base_url: str, api_key: str, run_id: str, reward: float, metrics: dict[str, float]) -> None:
-    """Report the episode's outcome; the proxy stores it on the run and the trainer picks it up."""
-    response = httpx.post(
-        f"{base_url.rstrip('/')}/runs/{run_id}/reward",
-        json={"reward": reward, "metrics": metrics},
-        headers={"Authorization": f"Bearer {api_key}"},
-        timeout=60.0,
-    )
-    response.raise_for_status()
-
-
 def task_prompt(low: int, high: int, topic: str) -> str:
     """A first prompt of the unique-task variant (`rlproxy demo --signal ...`): a range and a topic
     vary, the reward does not (digits only, then the number plus one)."""
@@ -112,48 +83,29 @@ def play_episode(
     prompt: str = FIRST_PROMPT,
     split: str | None = None,
 ) -> Episode:
-    """Two model calls with the environment's message in between; returns the scored episode.
-
-    `group_id` None sends no group header (the store groups by the first prompt); `split="val"`
-    makes it a validation run (served and stored, never trained: the demo's rungs)."""
+    """Two model calls with the environment's message in between; returns the scored episode
+    (`group_id`, `split`: episodes.sampled)."""
     run_id = f"num-{uuid.uuid4().hex[:16]}"
-    headers = {"X-Run-Id": run_id}
-    if group_id is not None:
-        headers["X-Group-Id"] = group_id
-    if split is not None:
-        headers["X-Split"] = split
     started = time.monotonic()
     messages: list[dict[str, str]] = [{"role": "user", "content": prompt}]
     replies: list[str] = []
+    sampling = sampled(model, temperature, max_tokens, run_id, group_id, split)
     for turn, follow_up in enumerate((SECOND_PROMPT, None)):
-        completion = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            temperature=temperature,
-            max_tokens=max_tokens,
-            seed=None if seed is None else seed * 10 + turn,
-            extra_headers=headers,
-        )
+        seed_n = None if seed is None else seed * 10 + turn
+        completion = client.chat.completions.create(messages=messages, seed=seed_n, **sampling)
         reply = completion.choices[0].message.content or ""
         replies.append(reply)
         messages.append({"role": "assistant", "content": reply})
         if follow_up:
             messages.append({"role": "user", "content": follow_up})
     reward, metrics = score(replies[0], replies[1])
-    return Episode(run_id, group_id or "", reward, replies, metrics, round(time.monotonic() - started, 3))
+    return Episode(run_id, group_id or "", reward, replies, metrics, round(time.monotonic() - started, 3), 2)
 
 
 def run_group(
-    client: OpenAI,
-    model: str,
-    base_url: str,
-    api_key: str = "not-needed",
-    group_size: int = 8,
-    temperature: float = 1.0,
-    max_tokens: int = 8,
-    seed: int | None = None,
-    prompt: str = FIRST_PROMPT,
-) -> list[Episode]:
+    client: OpenAI, model: str, base_url: str, api_key: str = "not-needed", group_size: int = 8,
+    temperature: float = 1.0, max_tokens: int = 8, seed: int | None = None, prompt: str = FIRST_PROMPT,
+) -> list[Episode]:  # fmt: skip
     """Play one group of episodes at the same time and post each reward as its episode ends.
 
     `seed` makes every sampling call reproducible (episode n of the group gets seeds derived from
@@ -163,45 +115,10 @@ def run_group(
 
     def one(i: int) -> Episode:
         episode_seed = None if seed is None else seed * 1000 + i
-        episode = play_episode(client, model, group_id, temperature, max_tokens, episode_seed, prompt)
-        post_reward(base_url, api_key, episode.run_id, episode.reward, episode.metrics)
-        return episode
+        return play_episode(client, model, group_id, temperature, max_tokens, episode_seed, prompt)
 
-    with ThreadPoolExecutor(max_workers=group_size) as pool:
-        return list(pool.map(one, range(group_size)))
-
-
-def default_model(client: OpenAI) -> str:
-    """The first model the server lists: behind rlproxy, the default policy (the base model's name)."""
-    return client.models.list().data[0].id
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--groups", type=int, default=10, help="groups to play, one after the other")
-    p.add_argument("--group-size", type=int, default=8, help="episodes per group, played concurrently")
-    p.add_argument("--model", default=None, help="model (policy) name; default: the server's first model")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens per reply")
-    p.add_argument("--json", action="store_true", help="print one JSON line per episode")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    base_url = os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
-    api_key = os.environ.get("OPENAI_API_KEY", "not-needed")
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=1)
-    model = args.model or default_model(client)
-    for g in range(args.groups):
-        episodes = run_group(
-            client, model, base_url, api_key, args.group_size, args.temperature, args.max_tokens
-        )
-        if args.json:
-            for e in episodes:
-                sys.stdout.write(json.dumps(asdict(e)) + "\n")
-        mean = sum(e.reward for e in episodes) / len(episodes)
-        log.info("group %d/%d: mean reward %.3f  e.g. %r", g + 1, args.groups, mean, episodes[0].replies)
-    return 0
+    return play_all(group_size, one, base_url, api_key=api_key)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.modules[__name__]))

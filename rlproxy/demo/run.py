@@ -18,313 +18,60 @@ trainer's `training_steps.step`; none when the group's rewards were all equal an
 The reward of a row is the mean reward of its group, i.e. what the agent experienced. Every setting
 the demo gives `serve` that differs from its default is printed and stored in summary.json.
 
-(Over 400 lines: the demo is one script read top to bottom (start, drive, wait, measure, stop) whose
-steps share the server process and the output folder; the agents and the rungs are in their own
-files.)
+The server's start, waits and stop are demo/harness.py's; the agents' plumbing demo/episodes.py's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import re
-import shutil
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import TypeAdapter, ValidationError
 
 from rlproxy.demo import directory, number_game, signals
 from rlproxy.demo.canary import CANARY_ENV, canary_loop
+from rlproxy.demo.episodes import default_model
+from rlproxy.demo.harness import (
+    Loop,
+    PeakRSS,
+    Plan,
+    changed_settings,
+    describe,
+    engine_counters,
+    engine_delta,
+    fresh_out,
+    mean,
+    openai_client,
+    print_line,
+    serve_env,
+    start_server,
+    stop_server,
+    wait_group,
+)
 from rlproxy.demo.pace import CpuShare, extend_to
 from rlproxy.demo.plot import plot_rewards
 from rlproxy.demo.rungs import evaluate, prompt_split
 from rlproxy.demo.scorer import ScorerServer
-from rlproxy.settings import Settings
 
 log = logging.getLogger(__name__)
 
 TASKS: dict[str, Any] = {"number": number_game, "directory": directory}  # name -> agent module
-FINAL_STATUSES = frozenset({"trained", "skipped", "failed", "expired"})
-_READY = re.compile(r"OPENAI_BASE_URL=(http://[\w.:\[\]-]+)/v1")
-
-
-@dataclass
-class Plan:
-    """The demo's resolved parameters (saved in summary.json)."""
-
-    task: str
-    minutes: float
-    model: str
-    backend: str
-    group_size: int
-    learning_rate: float | None  # None = serve's default (chosen by model size)
-    seed: int  # the trainer's seed and the agent's sampling seeds
-    goal: float  # last-3 minus first-3 mean reward that counts as learned
-    patience: int  # steps the goal must hold before stopping early
-    max_groups: int | None  # stop after this many groups
-    temperature: float
-    max_tokens: int
-
-
-def _echo(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-class PeakRSS(threading.Thread):
-    """Samples the resident memory of a process and its children; `peak_mb` is the largest sum seen."""
-
-    def __init__(self, pid: int, interval: float = 0.25) -> None:
-        super().__init__(daemon=True, name="demo-rss")
-        self.pid, self.interval, self.peak_mb = pid, interval, 0.0
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        import psutil
-
-        try:
-            proc = psutil.Process(self.pid)
-            while not self._stop_event.is_set():
-                procs = [proc, *proc.children(recursive=True)]
-                total = 0
-                for p in procs:
-                    try:
-                        total += p.memory_info().rss
-                    except psutil.Error:
-                        pass
-                self.peak_mb = max(self.peak_mb, total / 2**20)
-                self._stop_event.wait(self.interval)
-        except psutil.Error:  # the process is gone
-            return
-
-    def stop(self) -> float:
-        self._stop_event.set()
-        self.join(timeout=5)
-        return round(self.peak_mb, 1)
-
-
-def _serve_command() -> list[str]:
-    exe = Path(sys.executable).with_name("rlproxy")
-    if exe.is_file():
-        return [str(exe), "serve"]
-    return [sys.executable, "-c", "from rlproxy.cli.main import app; app()", "serve"]
-
-
-def start_server(
-    out: Path,
-    model: str,
-    port: int,
-    group_size: int,
-    env_overrides: dict[str, str],
-    timeout: float = 900.0,
-    backend: str = "embedded",
-    extra: dict[str, Any] | None = None,
-) -> tuple[subprocess.Popen, str]:
-    """Start `rlproxy serve` and wait for its /healthz; returns (process, base URL without /v1).
-
-    port 0 lets the server pick a free port (no race with other processes); the URL is then read
-    from the line `serve` prints when it listens. `extra` are more settings, given as options
-    (`{"siblings": "new"}` is `--siblings=new`); groups_per_step is 1 unless it says otherwise.
-    """
-    db = out / "rlproxy.db"
-    cmd = [
-        *_serve_command(),
-        f"--backend={backend}",
-        f"--model={model}",
-        f"--db={db}",
-        "--host=127.0.0.1",
-        f"--port={port}",
-        "--train",
-        f"--group-size={group_size}",
-        *(f"--{k.replace('_', '-')}={v}" for k, v in ({"groups_per_step": 1} | (extra or {})).items()),
-        "--no-access-log",
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "RLPROXY_API_KEY"}  # the demo runs without a key
-    env.update(env_overrides)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONUNBUFFERED"] = "1"  # the ready line must reach the log at once
-    log_file = open(out / "serve.log", "wb")  # the child keeps its own handle
-    proc = subprocess.Popen(
-        cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        preexec_fn=_die_with_us,
-    )  # fmt: skip
-    log_file.close()
-    base = f"http://127.0.0.1:{port}" if port else ""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = (out / "serve.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"rlproxy serve exited with {proc.returncode}:\n{tail}")
-        if not base:  # port 0: serve prints the URL it got once it listens
-            found = _READY.search((out / "serve.log").read_text(errors="replace"))
-            base = found.group(1) if found else ""
-        try:
-            if base and httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    stop_server(proc)
-    raise TimeoutError(f"rlproxy serve was not healthy after {timeout:.0f}s (see {out / 'serve.log'})")
-
-
-def _die_with_us() -> None:
-    """In the child: SIGTERM when the demo's process is gone, however it went (Linux's
-    PR_SET_PDEATHSIG; elsewhere the demo's own SIGTERM/SIGINT handling is all there is)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """SIGINT (a graceful shutdown: the writer drains), then SIGKILL if it hangs."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        log.warning("rlproxy serve did not stop in %.0fs; killing it", timeout)
-        proc.kill()
-        proc.wait(timeout=10)
-
-
-def wait_trained(http: httpx.Client, group_id: str, n: int, timeout: float) -> list[dict[str, Any]]:
-    """Wait until the trainer has dealt with the group's `n` runs (trained or skipped)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        runs = http.get("/v1/runs", params={"group_id": group_id, "limit": n}).json()["data"]
-        if len(runs) >= n and all(r["status"] in FINAL_STATUSES for r in runs):
-            return runs
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"group {group_id} not trained after {timeout:.0f}s: {[r['status'] for r in runs]}"
-            )
-        time.sleep(0.2)
-
-
-def wait_policy_step(http: httpx.Client, policy: str, step: int, timeout: float = 60.0) -> None:
-    """Wait until the proxy routes `policy` to `step` (published right after the step commits)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if http.get("/healthz").json().get("policies", {}).get(policy, 0) >= step:
-            return
-        time.sleep(0.1)
-    log.warning("policy %s did not reach step %d in %.0fs", policy, step, timeout)
-
-
-def engine_counters(http: httpx.Client) -> dict[str, float]:
-    """The embedded engine's counters from /metrics (`rlproxy_engine_*`, names without the prefix)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name.startswith("rlproxy_engine_") and not sample.name.endswith("_created"):
-                out[sample.name.removeprefix("rlproxy_engine_").removesuffix("_total")] = sample.value
-    return out
-
-
-def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Where a group's sampling went in the engine: worker seconds prefilling and decoding, decode
-    steps and their mean batch, prompt positions admitted vs run through the model."""
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    if not d:
-        return {}
-    steps = d.get("decode_steps", 0.0)
-    return {
-        "prefill_s": round(d.get("prefill_seconds", 0.0), 2),
-        "decode_s": round(d.get("decode_seconds", 0.0), 2),
-        "decode_steps": int(steps),
-        "mean_rows": round(d.get("decode_rows", 0.0) / steps, 2) if steps else 0.0,
-        "tokens": int(d.get("tokens", 0.0)),
-        "prompt_tokens": int(d.get("prompt_tokens", 0.0)),
-        "prefill_tokens": int(d.get("prefill_tokens", 0.0)),
-    }
-
-
-def _mean(xs: list[float]) -> float | None:
-    return round(sum(xs) / len(xs), 4) if xs else None
-
-
-def changed_settings(flags: dict[str, Any], env: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Every setting `serve` will see that differs from its default: `{name: {value, default, source}}`.
-
-    Sources: "demo" (an option or variable the demo sets) or "environment" (an RLPROXY_* variable of
-    the caller, which `serve` inherits). Keys are shown as "***".
-    """
-    given: dict[str, tuple[Any, str]] = {}
-    for key, value in os.environ.items():
-        if key.startswith("RLPROXY_") and key != "RLPROXY_API_KEY":  # the demo runs without a key
-            given[key.removeprefix("RLPROXY_").lower()] = (value, "environment")
-    for key, value in env.items():
-        given[key.removeprefix("RLPROXY_").lower()] = (value, "demo")
-    for key, value in flags.items():
-        given[key] = (value, "demo")
-    changed: dict[str, dict[str, Any]] = {}
-    for name, (value, source) in sorted(given.items()):
-        field = Settings.model_fields.get(name)
-        if field is None:
-            continue
-        default = field.default if field.default_factory is None else field.default_factory()
-        try:
-            value = TypeAdapter(field.annotation).validate_python(value)
-        except ValidationError:
-            pass  # shown as given; serve will say what is wrong with it
-        if value != default:
-            secret = name.endswith("_key")
-            changed[name] = {
-                "value": "***" if secret else value,
-                "default": "***" if secret and default else default,
-                "source": source,
-            }
-    return changed
-
-
-def _describe(changed: dict[str, dict[str, Any]]) -> str:
-    return ", ".join(f"{k}={v['value']} (default {v['default']})" for k, v in changed.items()) or "none"
 
 
 def run_demo(
-    minutes: float = 10.0,
-    model: str = "smollm2-135m",
-    out_dir: str | Path = "demo-output",
-    fast: bool = False,
-    *,
-    task: str = "number",
-    backend: str = "embedded",
-    group_size: int | None = None,
-    learning_rate: float | None = None,
-    seed: int = 0,
-    goal: float = 0.5,
-    patience: int = 3,
-    max_groups: int | None = None,
-    threads: int | None = None,
-    temperature: float | None = None,
-    max_tokens: int | None = None,
-    echo: Callable[[str], None] | None = None,
-    rollout: str = "immediate",
-    eval_episodes: int | None = None,
-    signal_mode: str | None = None,
-    siblings: str | None = None,
-    scorer: str | None = None,
-    shadow: int | None = None,
-    rung_minutes: float | None = None,
-) -> dict[str, Any]:
+    minutes: float = 10.0, model: str = "smollm2-135m", out_dir: str | Path = "demo-output",
+    fast: bool = False, *, task: str = "number", backend: str = "embedded", group_size: int | None = None,
+    learning_rate: float | None = None, seed: int = 0, goal: float = 0.5, patience: int = 3,
+    max_groups: int | None = None, threads: int | None = None, temperature: float | None = None,
+    max_tokens: int | None = None, echo: Callable[[str], None] | None = None, rollout: str = "immediate",
+    eval_episodes: int | None = None, signal_mode: str | None = None, siblings: str | None = None,
+    scorer: str | None = None, shadow: int | None = None, rung_minutes: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Run the demo and return the summary (also written to `out_dir/summary.json`).
 
     The directory task is also measured in rungs (demo/rungs.py): `eval_episodes` fixed prompts
@@ -339,7 +86,7 @@ def run_demo(
     `signal_mode`, `siblings`, `scorer`, `shadow`, `rung_minutes`: where the learning signal comes from
     and the rung curve that measures it (demo/signals.py); all None is today's demo.
     """
-    echo = echo or _echo
+    echo = echo or print_line
     if task not in TASKS:
         raise ValueError(f"unknown demo task {task!r}: choose one of {', '.join(TASKS)}")
     agent = TASKS[task]
@@ -365,25 +112,8 @@ def run_demo(
         agent.TEMPERATURE if temperature is None else temperature,
         agent.MAX_TOKENS if max_tokens is None else max_tokens,
     )
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in ("rlproxy.db", "rlproxy.db-wal", "rlproxy.db-shm", "summary.json", "reward_curve.png"):
-        (out / stale).unlink(missing_ok=True)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a fresh policy, not a resumed one
-
-    threads = threads or max(1, min(os.cpu_count() or 1, 4))
-    env = {
-        "RLPROXY_CHECKPOINT_DIR": str(out / "checkpoints"),  # beside the demo's database
-        "RLPROXY_POLL_INTERVAL": "0.2",  # the agent waits for each step: look for it often
-        "RLPROXY_KEEP_CHECKPOINTS": "2",
-        "RLPROXY_UNLOAD_GRACE": "5",
-        "RLPROXY_TRAIN_THREADS": str(threads),
-        "RLPROXY_SEED": str(seed),
-    }
-    if backend == "embedded":
-        env["RLPROXY_ENGINE_THREADS"] = str(threads)
-    if learning_rate is not None:
-        env["RLPROXY_LEARNING_RATE"] = str(learning_rate)
+    out = fresh_out(out_dir)
+    env = serve_env(out, threads, seed, learning_rate, backend == "embedded")
     if rollout == "canary":  # issue 28: new steps earn their traffic (demo/canary.py)
         env |= CANARY_ENV
     scorer_server = ScorerServer(task) if sig.scorer == "url" else None  # the task's checker, over HTTP
@@ -391,9 +121,7 @@ def run_demo(
         scorer_server.start()
     score_url = scorer_server.score_url if scorer_server is not None else None
     extra = sig.serve_settings(score_url, plan.group_size)
-    flags = {"backend": backend, "model": model, "db_url": f"sqlite+aiosqlite:///{out / 'rlproxy.db'}"}
-    flags |= {"host": "127.0.0.1", "port": 0, "train": True, "group_size": plan.group_size} | extra
-    changed = changed_settings(flags, env)
+    changed = changed_settings(env, out, backend, model, plan.group_size, extra)
     lr = "serve's default" if learning_rate is None else f"{learning_rate:g}"
     echo(
         f"rlproxy demo: task {task}, {plan.model} ({backend}), groups of {plan.group_size}, lr {lr}, "
@@ -405,7 +133,7 @@ def run_demo(
             f"signal: {sig.signal or 'groups'} (siblings {sig.siblings}, scorer {sig.scorer or '-'}, "
             f"shadow {sig.shadow}); rungs every {sig.rung_minutes:g} min{at}"
         )
-    echo(f"settings changed from the defaults: {_describe(changed)}")
+    echo(f"settings changed from the defaults: {describe(changed)}")
     echo(f"starting `rlproxy serve` (log: {out / 'serve.log'}) ...")
     try:
         proc, base = start_server(out, plan.model, 0, plan.group_size, env, backend=backend, extra=extra)
@@ -424,28 +152,21 @@ def run_demo(
     n_eval = (4 if fast else 16) if eval_episodes is None else eval_episodes
     curve: signals.Curve | None = None
     try:
+        agents = openai_client(base)
+        loop = Loop(base, agents, default_model(agents), plan, agent, rows, started, echo, out / "rlproxy.db")
         if not sig.legacy:  # the rungs over time, on both tasks; the app posts no reward with the scorer
-            from openai import OpenAI
-
-            client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
-            curve = signals.Curve(task, base, client, agent.default_model(client), seed, n_eval or 4,
-                                  sig.signal != "scorer", started, echo)  # fmt: skip
+            curve = signals.Curve(task, loop, seed, n_eval or 4, sig.signal != "scorer")
             curve.measure("base")
-            stop_reason = signals.signal_loop(
-                base, plan, sig, agent, rows, started, echo, out / "rlproxy.db", curve
-            )
+            stop_reason = signals.signal_loop(loop, sig, curve)
             curve.measure("rl")
             rungs = curve.rungs
-        else:
-            measure = _rungs(base, seed, n_eval, rungs, echo) if task == "directory" and n_eval else None
-            if measure:
-                measure("base")
-            if rollout == "canary":
-                stop_reason = canary_loop(base, plan, agent, rows, started, echo, out / "rlproxy.db")
-            else:
-                stop_reason = _loop(base, plan, agent, rows, started, echo, cpu)
-            if measure:
-                measure("rl")
+        else:  # directory: base and after RL on the same prompts, each component apart
+            pairs = prompt_split(seed, 0, n_eval, 0)[1] if task == "directory" and n_eval else None
+            if pairs:
+                rungs.append(evaluate(agents, base, loop.policy, "base", pairs, seed, echo))
+            stop_reason = canary_loop(loop) if rollout == "canary" else _loop(loop, cpu)
+            if pairs:
+                rungs.append(evaluate(agents, base, loop.policy, "rl", pairs, seed, echo))
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         echo("interrupted: stopping the server and writing what there is")
@@ -469,79 +190,37 @@ def run_demo(
     return summary
 
 
-def _rungs(
-    base: str, seed: int, n: int, rungs: list[dict[str, Any]], echo: Callable[[str], None]
-) -> Callable[[str], None]:
-    """`measure(name)`: one rung of the directory task's default policy on `n` fixed prompts."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
-    policy = directory.default_model(client)
-    _, pairs, _ = prompt_split(seed, 0, n, 0)
-
-    def measure(name: str) -> None:
-        rungs.append(evaluate(client, base, policy, name, pairs, seed, echo))
-
-    return measure
-
-
-def _loop(
-    base: str,
-    plan: Plan,
-    agent: Any,
-    rows: list[dict[str, Any]],
-    started: float,
-    echo: Callable[[str], None],
-    cpu: CpuShare | None = None,
-) -> str:
+def _loop(loop: Loop, cpu: CpuShare | None = None) -> str:
     """One group per iteration, appended to `rows`; returns why it stopped (goal, time, max_groups).
     On a busy machine (`cpu`) a demo out of time without its goal extends once (demo/pace.py)."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
-    with httpx.Client(base_url=base, timeout=30) as http:
-        policy = agent.default_model(client)
-        deadline, minutes = started + plan.minutes * 60, plan.minutes
+    plan, rows, echo = loop.plan, loop.rows, loop.echo
+    with httpx.Client(base_url=loop.base, timeout=30) as http:
+        deadline, minutes = loop.started + plan.minutes * 60, plan.minutes
         held = 0
         while True:
-            if plan.max_groups is not None and len(rows) >= plan.max_groups:
-                return "max_groups"
-            recent = [r["seconds"] for r in rows[-3:]]
-            if time.monotonic() + (sum(recent) / len(recent) if recent else 0.0) > deadline:
-                seen = cpu.read() if cpu is not None else None
+            if (why := loop.stop(deadline)) is not None:
+                seen = cpu.read() if cpu is not None and why == "time" else None
                 longer = extend_to(minutes, seen) if seen else None
                 if longer is None:
-                    return "time"  # the next group would end after the deadline
+                    return why  # max_groups, or the next group would end after the deadline
                 echo(
                     f"the demo got {seen['share']:.0%} of the CPU (others kept {seen['others_cores']:.1f} "
                     f"cores busy): going on up to {longer:g} min in all"
                 )
-                deadline, minutes = started + longer * 60, longer
+                deadline, minutes = loop.started + longer * 60, longer
                 continue
             t0 = time.monotonic()
             counters = engine_counters(http)
-            episodes = agent.run_group(
-                client,
-                policy,
-                f"{base}/v1",
-                "not-needed",
-                plan.group_size,
-                plan.temperature,
-                plan.max_tokens,
-                seed=plan.seed * 100_000 + len(rows),
-            )
+            episodes = loop.group()
             sampled_s = time.monotonic() - t0
             engine = engine_delta(counters, engine_counters(http))
-            runs = wait_trained(http, episodes[0].group_id, plan.group_size, timeout=600)
-            trained = [r["trained_step"] for r in runs if r["status"] == "trained" and r["trained_step"]]
-            if trained:
-                wait_policy_step(http, policy, max(trained))
+            runs, trained = wait_group(http, episodes[0].group_id, plan.group_size, loop.policy)
             row = {
                 "group": len(rows) + 1,
                 "step": max(trained) if trained else None,  # training_steps.step; None = skipped
-                "mean_reward": _mean([e.reward for e in episodes]),
+                "mean_reward": mean([e.reward for e in episodes]),
                 "runs": len(episodes),
-                "calls": _mean([float(len(e.replies)) for e in episodes]),  # model calls per episode
+                "calls": mean([float(len(e.replies)) for e in episodes]),  # model calls per episode
                 "seconds": round(time.monotonic() - t0, 2),
                 "sample_seconds": round(sampled_s, 2),
                 "engine": engine,  # where the sampling went (embedded engine; {} for vLLM)
@@ -550,13 +229,13 @@ def _loop(
                 "example": episodes[0].replies,
             }
             rows.append(row)
-            first3 = _mean([r["mean_reward"] for r in rows[:3]])
-            last3 = _mean([r["mean_reward"] for r in rows[-3:]])
+            first3 = mean([r["mean_reward"] for r in rows[:3]])
+            last3 = mean([r["mean_reward"] for r in rows[-3:]])
             step = "-" if row["step"] is None else str(row["step"])
             echo(
                 f"group {row['group']:3d}  step {step:>3}  reward {row['mean_reward']:.3f}  "
                 f"last3 {last3:.3f}  "
-                f"{row['status']:8s} {row['seconds']:5.1f}s  {time.monotonic() - started:6.0f}s total  "
+                f"{row['status']:8s} {row['seconds']:5.1f}s  {time.monotonic() - loop.started:6.0f}s total  "
                 f"e.g. {row['example']!r}"
             )
             held = held + 1 if len(rows) >= 6 and last3 - first3 >= plan.goal else 0
@@ -578,7 +257,7 @@ def _report(
 ) -> dict[str, Any]:
     """The table, the PNG (with `rungs`: their curve too), the SQL and summary.json."""
     rewards = [r["mean_reward"] for r in rows]
-    first3, last3 = _mean(rewards[:3]), _mean(rewards[-3:])
+    first3, last3 = mean(rewards[:3]), mean(rewards[-3:])
     db = out / "rlproxy.db"
     plot = plot_rewards(rows, out / "reward_curve.png", plan.model, echo, task=plan.task, rungs=rungs)
     sql = (
@@ -625,7 +304,7 @@ def _report(
             f"{summary['minutes']:.1f} min; {len(rows)} groups, {summary['trained_steps']} trainer steps; "
             f"peak RSS of the server {peak_rss_mb:.0f} MB"
         )
-    echo(f"settings changed from the defaults: {_describe(changed)}")
+    echo(f"settings changed from the defaults: {describe(changed)}")
     if plot is not None:
         echo(f"reward curve: {plot}")
     echo(f"summary: {out / 'summary.json'}")

@@ -16,13 +16,12 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from openai import OpenAI
 
 from rlproxy.demo import directory, number_game
-from rlproxy.demo.number_game import post_reward
+from rlproxy.demo.episodes import Episode, play_all
 
 COMPONENTS = ("well_formed_call", "correct_lookup", "correct_answer")
 NUMBER_COMPONENTS = ("digits_only", "correct")  # the number game's reward parts
@@ -41,7 +40,7 @@ def prompt_split(seed: int, teacher: int, evaluation: int, rl: int) -> tuple[lis
     return pairs[:teacher], pairs[teacher : teacher + evaluation], pairs[teacher + evaluation :][:rl]
 
 
-def components(episode: directory.Episode) -> dict[str, float]:
+def components(episode: Episode) -> dict[str, float]:
     """One episode's reward components, each in [0, 1]."""
     m = episode.metrics
     return {
@@ -63,20 +62,16 @@ def play(
     max_tokens: int,
     seed: int,
     post: bool = True,
-) -> list[directory.Episode]:
+) -> list[Episode]:
     """One episode per pair, concurrently (8 at a time), each reward posted (unless `post` is False)."""
 
-    def one(i: int) -> directory.Episode:
+    def one(i: int) -> Episode:
         gid = group_id or f"dir-{uuid.uuid4().hex[:12]}"
-        e = directory.play_episode(
+        return directory.play_episode(
             client, model, gid, pairs[i], temperature, max_tokens, seed * 1000 + i, split=split
         )
-        if post:
-            post_reward(base_url, "not-needed", e.run_id, e.reward, e.metrics)
-        return e
 
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(one, range(len(pairs))))
+    return play_all(len(pairs), one, base_url, post=post, workers=8)
 
 
 def rung(name: str, episodes: list[Any], seconds: float, task: str = "directory") -> dict[str, Any]:
@@ -131,15 +126,11 @@ def evaluate_number(
     `digits_only` and `correct` (the reward's two parts) apart."""
     t0 = time.monotonic()
 
-    def one(i: int) -> number_game.Episode:
-        e = number_game.play_episode(client, policy, None, number_game.TEMPERATURE, number_game.MAX_TOKENS,
-                                     (seed + 7) * 1000 + i, prompts[i], split="val")  # fmt: skip
-        if post:
-            post_reward(f"{base}/v1", "not-needed", e.run_id, e.reward, e.metrics)
-        return e
+    def one(i: int) -> Episode:
+        return number_game.play_episode(client, policy, None, number_game.TEMPERATURE, number_game.MAX_TOKENS,
+                                        (seed + 7) * 1000 + i, prompts[i], split="val")  # fmt: skip
 
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        episodes = list(pool.map(one, range(len(prompts))))
+    episodes = play_all(len(prompts), one, f"{base}/v1", post=post, workers=8)
     r = rung(name, episodes, time.monotonic() - t0, task="number")
     echo(line(r))
     return r

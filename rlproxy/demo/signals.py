@@ -27,7 +27,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,8 @@ from typing import Any
 import httpx
 
 from rlproxy.demo import directory, number_game, store
+from rlproxy.demo.episodes import Episode, play_all
+from rlproxy.demo.harness import Loop, engine_counters, engine_delta, mean, wait_policy_step, wait_trained
 from rlproxy.demo.rungs import evaluate, evaluate_number
 from rlproxy.demo.tasks import Task, UniqueTasks, rung_tasks
 
@@ -130,35 +131,33 @@ def play_batch(
     temperature: float,
     max_tokens: int,
     seed: int,
-) -> list[Any]:
+) -> list[Episode]:
     """One episode per task, concurrently; each reward posted when `post` (the app's reward)."""
 
-    def one(i: int) -> Any:
+    def one(i: int) -> Episode:
         episode_seed = seed * 1000 + i
         if agent is number_game:
-            e = number_game.play_episode(client, policy, group_id, temperature, max_tokens, episode_seed,
-                                         specs[i]["prompt"])  # fmt: skip
-        else:
-            e = directory.play_episode(client, policy, group_id, specs[i]["people"], temperature, max_tokens,
-                                       episode_seed, topic=specs[i].get("topic"))  # fmt: skip
-        if post:
-            number_game.post_reward(base_url, "not-needed", e.run_id, e.reward, e.metrics)
-        return e
+            return number_game.play_episode(client, policy, group_id, temperature, max_tokens, episode_seed,
+                                            specs[i]["prompt"])  # fmt: skip
+        return directory.play_episode(client, policy, group_id, specs[i]["people"], temperature, max_tokens,
+                                      episode_seed, topic=specs[i].get("topic"))  # fmt: skip
 
-    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-        return list(pool.map(one, range(len(specs))))
+    return play_all(len(specs), one, base_url, post=post)
 
 
 class Curve:
     """The rungs over time: `measure(name)` plays the fixed validation prompts (never trained) with the
     newest policy and appends the rung, with the minutes since the start and the step serving."""
 
-    def __init__(
-        self, task: str, base: str, client: Any, policy: str, seed: int, n: int, post: bool,
-        started: float, echo: Callable[[str], None],
-    ) -> None:  # fmt: skip
-        self.task, self.base, self.client, self.policy, self.seed = task, base, client, policy, seed
-        self.post, self.started, self.echo = post, started, echo
+    def __init__(self, task: str, loop: Loop, seed: int, n: int, post: bool) -> None:
+        self.task, self.base, self.client, self.policy, self.seed = (
+            task,
+            loop.base,
+            loop.client,
+            loop.policy,
+            seed,
+        )
+        self.post, self.started, self.echo = post, loop.started, loop.echo
         self.tasks = rung_tasks(task, seed, n)
         self.rungs: list[dict[str, Any]] = []
         self.last = 0.0
@@ -225,48 +224,29 @@ def _wait_siblings(db: Path, run_ids: list[str], expect: bool, timeout: float) -
         time.sleep(1.0)
 
 
-def signal_loop(
-    base: str,
-    plan: Any,
-    sig: SignalPlan,
-    agent: Any,
-    rows: list[dict[str, Any]],
-    started: float,
-    echo: Callable[[str], None],
-    db: Path,
-    curve: Curve,
-) -> str:
+def signal_loop(loop: Loop, sig: SignalPlan, curve: Curve) -> str:
     """One batch per row until time, max_groups or the rung goal; returns why it stopped."""
-    from openai import OpenAI
-
-    from rlproxy.demo.run import _mean, engine_counters, engine_delta, wait_policy_step, wait_trained
-
-    client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=1, timeout=300)
+    plan, rows, base, client, policy, db = loop.plan, loop.rows, loop.base, loop.client, loop.policy, loop.db
     tasks = UniqueTasks(plan.task, plan.seed, curve.tasks)
-    deadline = started + plan.minutes * 60
+    deadline = loop.started + plan.minutes * 60
     with httpx.Client(base_url=base, timeout=30) as http:
-        policy = curve.policy
         while True:
-            if plan.max_groups is not None and len(rows) >= plan.max_groups:
-                return "max_groups"
-            recent = [r["seconds"] for r in rows[-3:]]
-            if time.monotonic() + (sum(recent) / len(recent) if recent else 0.0) > deadline:
-                return "time"
+            if (why := loop.stop(deadline)) is not None:
+                return why
             t0, seed = time.monotonic(), plan.seed * 100_000 + len(rows)
             counters = engine_counters(http)
             kw = {"base_url": f"{base}/v1", "temperature": plan.temperature, "max_tokens": plan.max_tokens}
             if sig.signal is None:  # today's groups (their prompts), with siblings or the shadow check
-                episodes = agent.run_group(client, policy, f"{base}/v1", "not-needed", plan.group_size,
-                                           plan.temperature, plan.max_tokens, seed=seed)  # fmt: skip
+                episodes = loop.group()
             elif sig.signal == "groups":  # one new task per group, shared by its episodes
                 spec = tasks.next()
                 gid = f"{plan.task[:3]}-{uuid.uuid4().hex[:12]}"
-                episodes = play_batch(client, agent, policy, [spec] * plan.group_size, gid, post=True,
+                episodes = play_batch(client, loop.agent, policy, [spec] * plan.group_size, gid, post=True,
                                       seed=seed, **kw)  # fmt: skip
             else:  # a new task per episode, no group header; the scorer signal posts no reward
                 specs = [tasks.next() for _ in range(plan.group_size)]
-                episodes = play_batch(client, agent, policy, specs, None, post=sig.signal == "singletons",
-                                      seed=seed, **kw)  # fmt: skip
+                episodes = play_batch(client, loop.agent, policy, specs, None, seed=seed,
+                                      post=sig.signal == "singletons", **kw)  # fmt: skip
             sampled_s = time.monotonic() - t0
             engine = engine_delta(counters, engine_counters(http))
             ids = [e.run_id for e in episodes]
@@ -292,10 +272,10 @@ def signal_loop(
             row = {
                 "group": len(rows) + 1,
                 "step": max(steps) if steps else None,
-                "mean_reward": _mean([e.reward for e in episodes]),  # the task's reward, posted or not
+                "mean_reward": mean([e.reward for e in episodes]),  # the task's reward, posted or not
                 "posted": sig.signal != "scorer",
                 "runs": len(episodes),
-                "calls": _mean([float(len(e.replies)) for e in episodes]),
+                "calls": mean([float(len(e.replies)) for e in episodes]),
                 "seconds": round(time.monotonic() - t0, 2),
                 "sample_seconds": round(sampled_s, 2),
                 "engine": engine,
@@ -310,10 +290,10 @@ def signal_loop(
             }
             rows.append(row)
             sib = row["siblings"]
-            echo(
+            loop.echo(
                 f"group {row['group']:3d}  step {row['step'] or '-':>3}  reward {row['mean_reward']:.3f}  "
                 f"{status:8s} siblings {sib['made']} made, {sib['trained']} trained  {row['seconds']:5.1f}s  "
-                f"{time.monotonic() - started:6.0f}s total  e.g. {row['example']!r}"
+                f"{time.monotonic() - loop.started:6.0f}s total  e.g. {row['example']!r}"
             )
             if sig.rung_minutes is not None and curve.due(sig.rung_minutes):
                 curve.measure(f"g{row['group']}")

@@ -26,6 +26,26 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+# name: help, of the engine's counters `stats[name]`
+_COUNTERS = {
+    "tokens": "tokens decoded (sampled)",
+    "prompt_tokens": "prompt positions admitted",
+    "prefill_tokens": "prompt positions run through the model (the rest came from the prefix cache or "
+    "a twin)",
+    "prefill_seconds": "worker seconds prefilling",
+    "decode_seconds": "worker seconds decoding",
+    "decode_steps": "decode steps",
+    "decode_rows": "rows of decode steps, summed",
+    "cancelled": "rows dropped because their client left",
+}
+# name: (key in the prefix cache's stats, help)
+_CACHE_COUNTERS = {
+    "prefix_cache_lookups": ("lookups", "distinct prompts looked up"),
+    "prefix_cache_hits": ("hits", "lookups that reused a prefix"),
+    "prefix_cache_hit_tokens": ("tokens_reused", "prompt tokens served from the prefix cache"),
+    "prefix_cache_evictions": ("evictions", "entries evicted"),
+}
+
 
 class EngineCollector:
     """Collects from whatever engine `get_engine()` returns (None: nothing to report)."""
@@ -42,34 +62,17 @@ class EngineCollector:
             return
         stats, cache = dict(engine.stats), engine.prefix_cache
         cstats = dict(cache.stats)
-        for kind, name, doc, value in (
-            (CounterMetricFamily, "tokens", "tokens decoded (sampled)", stats["tokens"]),
-            (CounterMetricFamily, "prompt_tokens", "prompt positions admitted", stats["prompt_tokens"]),
-            (
-                CounterMetricFamily,
-                "prefill_tokens",
-                "prompt positions run through the model (the rest came from the prefix cache or a twin)",
-                stats["prefill_tokens"],
-            ),
-            (CounterMetricFamily, "prefill_seconds", "worker seconds prefilling", stats["prefill_seconds"]),
-            (CounterMetricFamily, "decode_seconds", "worker seconds decoding", stats["decode_seconds"]),
-            (CounterMetricFamily, "decode_steps", "decode steps", stats["decode_steps"]),
-            (CounterMetricFamily, "decode_rows", "rows of decode steps, summed", stats["decode_rows"]),
-            (CounterMetricFamily, "cancelled", "rows dropped because their client left", stats["cancelled"]),
-            (GaugeMetricFamily, "rows", "rows decoding now", len(getattr(engine, "_rows", []))),
-            (CounterMetricFamily, "prefix_cache_lookups", "distinct prompts looked up", cstats["lookups"]),
-            (CounterMetricFamily, "prefix_cache_hits", "lookups that reused a prefix", cstats["hits"]),
-            (
-                CounterMetricFamily,
-                "prefix_cache_hit_tokens",
-                "prompt tokens served from the prefix cache",
-                cstats["tokens_reused"],
-            ),
-            (CounterMetricFamily, "prefix_cache_evictions", "entries evicted", cstats["evictions"]),
+        rows = [(CounterMetricFamily, name, doc, stats[name]) for name, doc in _COUNTERS.items()]
+        rows.append((GaugeMetricFamily, "rows", "rows decoding now", len(getattr(engine, "_rows", []))))
+        rows += [
+            (CounterMetricFamily, name, doc, cstats[key]) for name, (key, doc) in _CACHE_COUNTERS.items()
+        ]
+        rows += [
             (GaugeMetricFamily, "prefix_cache_bytes", "bytes of KV in the prefix cache", cache.bytes),
             (GaugeMetricFamily, "prefix_cache_limit_bytes", "the prefix cache's bound", cache.max_bytes),
             (GaugeMetricFamily, "prefix_cache_entries", "entries in the prefix cache", len(cache)),
-        ):
+        ]
+        for kind, name, doc, value in rows:
             family = kind(f"rlproxy_engine_{name}", doc)
             family.add_metric([], float(value))
             yield family

@@ -122,9 +122,7 @@ class VLLMBackend:
 
     @property
     def base_url(self) -> str:
-        if self._base_url is None:
-            raise BackendUnavailable("vLLM backend not started: call start() first")
-        return self._base_url
+        return _started(self._base_url)
 
     @property
     def base_urls(self) -> tuple[str, ...]:
@@ -141,9 +139,7 @@ class VLLMBackend:
 
     @property
     def model_path(self) -> str:
-        if self._model_path is None:
-            raise BackendUnavailable("vLLM backend not started: call start() first")
-        return self._model_path
+        return _started(self._model_path)
 
     @property
     def pid(self) -> int | None:
@@ -403,6 +399,13 @@ class VLLMBackend:
         self._proc = VLLMProcess(cmd, self.environment(), self.log_path)
         await self._proc.wait_healthy(self.health, self.startup_timeout, started)
         logger.info("vLLM healthy at %s after %.1f s", self._base_url, time.monotonic() - started)
+
+
+def _started(value: str | None) -> str:
+    """A value the backend has once started (base URL, model folder); before: BackendUnavailable."""
+    if value is None:
+        raise BackendUnavailable("vLLM backend not started: call start() first")
+    return value
 
 
 def _without_overridden(defaults: list[str], extra: list[str]) -> list[str]:

@@ -23,12 +23,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -193,49 +192,20 @@ async def training_groups(request: Request, policy: str | None = None, limit: In
     return _json({"object": "list", "data": rows, "runs": runs})
 
 
-def _time(value: str | None, name: str) -> datetime | None:
-    if not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise APIError(
-            422, f"{name}: an ISO 8601 time, e.g. 2026-12-01T10:00:00Z", param=name, code="invalid_value"
-        ) from None
-
-
 @router.get("/v1/admin/runs")
 async def admin_runs(
-    request: Request,
-    status: str | None = None,
-    policy: str | None = None,
-    group_id: str | None = None,
-    split: str | None = None,
-    min_reward: float | None = None,
-    max_reward: float | None = None,
-    since: str | None = None,
-    until: str | None = None,
-    q: str | None = None,
-    limit: Int64 = 50,
-    offset: Int64 = 0,
+    request: Request, f: Annotated[overview.RunFilter, Depends()], limit: Int64 = 50, offset: Int64 = 0
 ) -> Response:
     """Runs under every filter the page offers, newest first, with the total for paging."""
     if offset < 0:
         raise APIError(422, "offset: must be >= 0", param="offset", code="invalid_value")
-    runs, total = await overview.find_runs(
-        request.app.state.proxy.engine,
-        status=status or None,
-        policy=policy or None,
-        group_id=group_id or None,
-        split=split or None,
-        min_reward=min_reward,
-        max_reward=max_reward,
-        since=_time(since, "since"),
-        until=_time(until, "until"),
-        q=q or None,
-        limit=_limit(limit),
-        offset=offset,
-    )
+    try:
+        runs, total = await overview.find_runs(request.app.state.proxy.engine, f, _limit(limit), offset)
+    except ValueError as exc:
+        name = str(exc)
+        raise APIError(
+            422, f"{name}: an ISO 8601 time, e.g. 2026-12-01T10:00:00Z", param=name, code="invalid_value"
+        ) from None
     return _json({"object": "list", "data": runs, "total": total, "offset": offset, "limit": limit})
 
 

@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rlproxy.errors import APIError
+from rlproxy.proxy.runkey import invalid_id
 from rlproxy.storage import keys as store
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,7 @@ def scoped(key: AppKey | None, ident: str, what: str = "run id") -> str:
         return ident
     out = f"{key.id}{SEP}{ident}"
     if len(out) > MAX_ID:
-        room = MAX_ID - len(key.id) - 1
-        raise APIError(
-            400,
-            f"invalid {what}: an app key's ids are at most {room} characters",
-            param=what.replace(" ", "_"),
-            code="invalid_run_id",
-        )
+        raise invalid_id(what, f": an app key's ids are at most {MAX_ID - len(key.id) - 1} characters")
     return out
 
 
@@ -178,9 +173,7 @@ class KeyRing:
             await asyncio.sleep(self.ttl)
             try:
                 await self.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+            except Exception as exc:  # CancelledError is not an Exception: a cancel still stops it
                 log.warning("keys: could not read the keys table (%s); keeping the last ones", exc)
 
     # ------------------------------------------------------------ limits and counters

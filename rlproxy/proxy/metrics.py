@@ -180,21 +180,25 @@ class _UpstreamsCollector:
 class _SiblingsCollector:
     """The siblings service's figures (trainer/siblings.py `stats()`), read at scrape time."""
 
+    # (name after rlproxy_siblings_, key in stats(), help)
+    COUNTERS = (
+        ("sampled", "sampled", "sibling answers sampled and stored"),
+        ("tokens", "tokens", "tokens the sibling answers sampled"),
+        ("engine_seconds", "engine_seconds", "wall time of sibling requests on the engine"),
+    )
+    GAUGES = (
+        ("queue", "queue", "calls waiting to be branched"),
+        ("in_flight", "in_flight", "sibling requests on the engine now"),
+        ("engine_share", "share", "share of the last minute with a sibling request on the engine (0-1)"),
+    )
+
     def __init__(self, service) -> None:
         self.service = service
 
     def collect(self):
         s = self.service.stats()
-        for name, doc, key in (
-            ("rlproxy_siblings_sampled", "sibling answers sampled and stored", "sampled"),
-            ("rlproxy_siblings_tokens", "tokens the sibling answers sampled", "tokens"),
-            (
-                "rlproxy_siblings_engine_seconds",
-                "wall time of sibling requests on the engine",
-                "engine_seconds",
-            ),
-        ):
-            yield CounterMetricFamily(name, doc, value=s[key])
+        for name, key, doc in self.COUNTERS:
+            yield CounterMetricFamily(f"rlproxy_siblings_{name}", doc, value=s[key])
         groups = CounterMetricFamily(
             "rlproxy_siblings_groups",
             "sibling groups by outcome: scored, failed (sampling or scorer), dropped (queue full)",
@@ -203,16 +207,8 @@ class _SiblingsCollector:
         for outcome in ("scored", "failed", "dropped"):
             groups.add_metric([outcome], s[outcome])
         yield groups
-        for name, doc, key in (
-            ("rlproxy_siblings_queue", "calls waiting to be branched", "queue"),
-            ("rlproxy_siblings_in_flight", "sibling requests on the engine now", "in_flight"),
-            (
-                "rlproxy_siblings_engine_share",
-                "share of the last minute with a sibling request on the engine (0-1)",
-                "share",
-            ),
-        ):
-            yield GaugeMetricFamily(name, doc, value=s[key])
+        for name, key, doc in self.GAUGES:
+            yield GaugeMetricFamily(f"rlproxy_siblings_{name}", doc, value=s[key])
 
 
 class Metrics:

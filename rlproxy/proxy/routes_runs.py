@@ -62,12 +62,8 @@ def _number(value, field: str, bound: float | None = None) -> float:
     if not math.isfinite(value):
         raise APIError(422, f"{field}: must be a finite number", param=field, code="invalid_value")
     if bound is not None and abs(value) > bound:
-        raise APIError(
-            422,
-            f"{field}: must be between -{bound:g} and {bound:g} (the reward_bound setting)",
-            param=field,
-            code="invalid_value",
-        )
+        msg = f"{field}: must be between -{bound:g} and {bound:g} (the reward_bound setting)"
+        raise APIError(422, msg, param=field, code="invalid_value")
     return value
 
 
@@ -242,12 +238,9 @@ async def _reward(
 
 @router.get("/v1/runs")
 async def list_runs(
-    request: Request,
-    status: str | None = None,
-    group_id: str | None = None,
-    limit: Int64 = 50,
+    request: Request, status: str | None = None, group_id: str | None = None, limit: Int64 = 50,
     cursor: str | None = None,
-) -> Response:
+) -> Response:  # fmt: skip
     """Recent runs, newest first; pass `next_cursor` back as `cursor` for the next page."""
     if not 1 <= limit <= 1000:
         raise APIError(422, "limit: must be between 1 and 1000", param="limit", code="invalid_value")

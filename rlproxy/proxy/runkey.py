@@ -19,15 +19,15 @@ __all__ = ["check_id", "check_split", "default_group"]
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
+def invalid_id(what: str, why: str) -> APIError:
+    """The 400 for a run or group id (`what`) that does not fit, `why` saying how."""
+    return APIError(400, f"invalid {what}{why}", param=what.replace(" ", "_"), code="invalid_run_id")
+
+
 def check_id(value: str, what: str = "run id") -> str:
     """`value` if it is 1-128 chars of [A-Za-z0-9._:-], else a 400 APIError saying so."""
     if RUN_ID_PATTERN.fullmatch(value) is None:
-        raise APIError(
-            400,
-            f"invalid {what} {value[:140]!r}: use 1-128 characters of A-Z a-z 0-9 . _ : -",
-            param=what.replace(" ", "_"),
-            code="invalid_run_id",
-        )
+        raise invalid_id(what, f" {value[:140]!r}: use 1-128 characters of A-Z a-z 0-9 . _ : -")
     return value
 
 

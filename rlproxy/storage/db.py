@@ -8,6 +8,10 @@ mode a commit survives a process crash; only a power loss can drop the last tran
 Read-only engines are enforced by the database, not by inspecting SQL: SQLite opens the file
 with the URI flag `mode=ro` and a limit of zero attached databases; PostgreSQL runs every
 transaction `READ ONLY`. `rlproxy sql` uses them for users' ad-hoc queries.
+
+(Over 400 lines: one concept, a store URL and what opening it means: the engines, the migration
+run (its file lock, its retry on a locked file), the start-up check and the file watch all apply
+the same URL rules (`normalize_url`, `sqlite_path`) and SQLite's pragmas and locks.)
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ import re
 import sqlite3
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -350,6 +354,17 @@ async def connect_write(engine: AsyncEngine) -> AsyncConnection:
     if engine.dialect.name == "sqlite":
         conn = await conn.execution_options(**{SQLITE_BEGIN: "IMMEDIATE"})
     return conn
+
+
+@asynccontextmanager
+async def write_transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """One write transaction holding SQLite's write lock from its start; raising inside rolls it back."""
+    conn = await connect_write(engine)
+    try:
+        async with conn.begin():
+            yield conn
+    finally:
+        await conn.close()
 
 
 def alembic_config(url: str) -> Any:

@@ -37,7 +37,8 @@ from sqlalchemy import bindparam, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.storage.errors import StorageError
-from rlproxy.storage.queries import COMPLETIONS, RUNS, _iso
+from rlproxy.storage.queries import COMPLETIONS, RUNS
+from rlproxy.storage.times import iso
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,8 @@ def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]
         "reward_source": run.get("reward_source"),
         "metrics": _json(run.get("metrics")),
         "metadata": _json(run.get("metadata")),
-        "created_at": _iso(run.get("created_at")),
-        "completed_at": _iso(run.get("completed_at")),
+        "created_at": iso(run.get("created_at")),
+        "completed_at": iso(run.get("completed_at")),
         "trained_step": run.get("trained_step"),
         "messages": msgs,
         "tools": tools,

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from rlproxy.storage.db import connect_write
+from rlproxy.storage.db import write_transaction
 from rlproxy.storage.models import Key
 
 KEYS = Key.__table__
@@ -35,16 +34,6 @@ class KeyNameTaken(ValueError):
 def hash_secret(secret: str | bytes) -> str:
     """The stored form of a secret: its sha256, hex."""
     return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).hexdigest()
-
-
-@asynccontextmanager
-async def _write(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    conn = await connect_write(engine)
-    try:
-        async with conn.begin():
-            yield conn
-    finally:
-        await conn.close()
 
 
 async def create(
@@ -72,7 +61,7 @@ async def create(
         "revoked_at": None,
     }
     try:
-        async with _write(engine) as conn:
+        async with write_transaction(engine) as conn:
             await conn.execute(KEYS.insert().values(**row))
     except IntegrityError:
         raise KeyNameTaken(f"a key named {name!r} exists already (names are never reused)") from None
@@ -89,7 +78,7 @@ async def list_keys(engine: AsyncEngine) -> list[dict[str, Any]]:
 
 async def revoke(engine: AsyncEngine, name: str) -> bool:
     """Revoke the key named `name`; False when there is no valid key of that name."""
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         res = await conn.execute(
             update(KEYS)
             .where(KEYS.c.name == name, KEYS.c.revoked_at.is_(None))
@@ -114,5 +103,5 @@ async def touch(engine: AsyncEngine, key_ids: Iterable[str], at: datetime) -> No
     ids = sorted(set(key_ids))
     if not ids:
         return
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         await conn.execute(update(KEYS).where(KEYS.c.id.in_(ids)).values(last_used_at=at))

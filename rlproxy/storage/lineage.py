@@ -16,7 +16,7 @@ from sqlalchemy import func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.errors import StorageError
-from rlproxy.storage.db import connect_write
+from rlproxy.storage.db import write_transaction
 from rlproxy.storage.models import PolicyOrigin, TrainingStep
 
 log = logging.getLogger(__name__)
@@ -30,56 +30,45 @@ class PolicyExists(StorageError):
 
 
 async def start_policy(
-    engine: AsyncEngine,
-    *,
-    policy: str,
-    kind: str,
-    adapter_path: str,
-    parent: str | None = None,
-    parent_step: int | None = None,
-    init_adapter: str | None = None,
-    config: dict[str, Any] | None = None,
-) -> None:
+    engine: AsyncEngine, *, policy: str, kind: str, adapter_path: str, parent: str | None = None,
+    parent_step: int | None = None, init_adapter: str | None = None, config: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
     """Record `policy` as started (`kind` fork or init) and its step 1 = the adapter at `adapter_path`."""
     now = datetime.now(UTC)
-    conn = await connect_write(engine)
-    try:
-        async with conn.begin():
-            steps = await conn.scalar(
-                select(func.count()).select_from(TrainingStep).where(TrainingStep.policy == policy)
+    async with write_transaction(engine) as conn:
+        steps = await conn.scalar(
+            select(func.count()).select_from(TrainingStep).where(TrainingStep.policy == policy)
+        )
+        row = await conn.scalar(
+            select(func.count()).select_from(PolicyOrigin).where(PolicyOrigin.name == policy)
+        )
+        if steps or row:
+            raise PolicyExists(
+                f"policy {policy!r} already exists ({steps} step(s) recorded); pick a new name"
             )
-            row = await conn.scalar(
-                select(func.count()).select_from(PolicyOrigin).where(PolicyOrigin.name == policy)
+        await conn.execute(
+            insert(PolicyOrigin).values(
+                name=policy,
+                parent=parent,
+                parent_step=parent_step,
+                init_adapter=init_adapter,
+                created_at=now,
             )
-            if steps or row:
-                raise PolicyExists(
-                    f"policy {policy!r} already exists ({steps} step(s) recorded); pick a new name"
-                )
-            await conn.execute(
-                insert(PolicyOrigin).values(
-                    name=policy,
-                    parent=parent,
-                    parent_step=parent_step,
-                    init_adapter=init_adapter,
-                    created_at=now,
-                )
+        )
+        await conn.execute(
+            insert(TrainingStep).values(
+                step=1,
+                policy=policy,
+                adapter_path=adapter_path,
+                started_at=now,
+                finished_at=now,
+                num_groups=0,
+                num_runs=0,
+                num_tokens=0,
+                config=config,
+                kind=kind,
             )
-            await conn.execute(
-                insert(TrainingStep).values(
-                    step=1,
-                    policy=policy,
-                    adapter_path=adapter_path,
-                    started_at=now,
-                    finished_at=now,
-                    num_groups=0,
-                    num_runs=0,
-                    num_tokens=0,
-                    config=config,
-                    kind=kind,
-                )
-            )
-    finally:
-        await conn.close()
+        )
     log.info("started policy %s (%s) at step 1: %s", policy, kind, adapter_path)
 
 

@@ -14,10 +14,17 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from rlproxy.storage.step_columns import STEP_COLUMNS
+
 
 def utcnow() -> datetime:
     """Now, timezone-aware UTC."""
     return datetime.now(UTC)
+
+
+def _noted(type_: Any, comment: str) -> Any:
+    """`mapped_column(type_, comment=comment)`: a column and what it holds (nullable by its annotation)."""
+    return mapped_column(type_, comment=comment)
 
 
 class Base(DeclarativeBase):
@@ -51,7 +58,7 @@ class Run(Base):
         index=True,
         comment="X-Group-Id, or a hash of policy+tools+prompt of its first completion",
     )
-    policy: Mapped[str | None] = mapped_column(String(256), comment="policy of its first completion")
+    policy: Mapped[str | None] = _noted(String(256), "policy of its first completion")
     status: Mapped[str] = mapped_column(String(16), default=RunStatus.open, index=True)
     reward: Mapped[float | None] = mapped_column(Float)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(comment="named numbers posted with the reward")
@@ -59,22 +66,20 @@ class Run(Base):
         "metadata", comment="free JSON posted with the reward"
     )
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), comment="when rewarded")
-    trained_step: Mapped[int | None] = mapped_column(Integer, comment="training_steps.step that used it")
-    status_reason: Mapped[str | None] = mapped_column(
+    completed_at: Mapped[datetime | None] = _noted(DateTime(timezone=True), "when rewarded")
+    trained_step: Mapped[int | None] = _noted(Integer, "training_steps.step that used it")
+    status_reason: Mapped[str | None] = _noted(
         String(32),
-        comment="why the trainer set its status: no_sibling, zero_variance, stale, no_usable_completion, "
+        "why the trainer set its status: no_sibling, zero_variance, stale, no_usable_completion, "
         "nonfinite (see storage/training.py)",
     )
     # judge rewards (migration 0006; trainer/judge.py)
-    reward_source: Mapped[str | None] = mapped_column(
-        String(16), comment="app or judge (NULL reward: waiting for the judge)"
+    reward_source: Mapped[str | None] = _noted(
+        String(16), "app or judge (NULL reward: waiting for the judge)"
     )
-    judge_explanation: Mapped[str | None] = mapped_column(
-        Text, comment="the judge's short reason for its score"
-    )
-    judge_rubric: Mapped[str | None] = mapped_column(
-        Text, comment="rubric named when the run was completed (NULL: the policy's)"
+    judge_explanation: Mapped[str | None] = _noted(Text, "the judge's short reason for its score")
+    judge_rubric: Mapped[str | None] = _noted(
+        Text, "rubric named when the run was completed (NULL: the policy's)"
     )
     # validation runs (migration 0008; storage/validation.py)
     split: Mapped[str] = mapped_column(
@@ -91,17 +96,16 @@ class Run(Base):
         comment="seq the run's next completion gets (the writers' counter, see storage/rows.py)",
     )
     # merged segments (migration 0010; trainer/segments.py): what the trainer made of the run's calls
-    segments: Mapped[int | None] = mapped_column(
-        Integer, comment="rows the trainer merged the run's calls into (1: every call extended the last)"
+    segments: Mapped[int | None] = _noted(
+        Integer, "rows the trainer merged the run's calls into (1: every call extended the last)"
     )
-    segment_breaks: Mapped[str | None] = mapped_column(
-        Text,
-        comment='why the run split: JSON list of {"seq", "reason", "at", "of"} (NULL: no break)',
+    segment_breaks: Mapped[str | None] = _noted(
+        Text, 'why the run split: JSON list of {"seq", "reason", "at", "of"} (NULL: no break)'
     )
 
     # siblings (migration 0015; storage/siblings.py): a run the proxy made by sampling a stored prompt
-    branch_of: Mapped[int | None] = mapped_column(
-        Integer, comment="completions.id this sibling run answers again (NULL: an app's run)"
+    branch_of: Mapped[int | None] = _noted(
+        Integer, "completions.id this sibling run answers again (NULL: an app's run)"
     )
     # keys per app (migration 0016; proxy/keys.py)
     key_id: Mapped[str | None] = mapped_column(
@@ -122,16 +126,14 @@ class Completion(Base):
     __tablename__ = "completions"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str | None] = mapped_column(
-        ForeignKey("runs.id", ondelete="CASCADE"), comment="NULL when the request carried no run key"
+    run_id: Mapped[str | None] = _noted(
+        ForeignKey("runs.id", ondelete="CASCADE"), "NULL when the request carried no run key"
     )
-    seq: Mapped[int | None] = mapped_column(Integer, comment="0,1,2,... order of the call within its run")
-    policy: Mapped[str | None] = mapped_column(String(256), comment="policy the request named")
-    adapter: Mapped[str | None] = mapped_column(
-        String(256), comment="model the upstream served: base or policy@step"
-    )
-    policy_step: Mapped[int | None] = mapped_column(Integer, comment="0 = base model")
-    endpoint: Mapped[str | None] = mapped_column(String(64), comment="chat.completions or completions")
+    seq: Mapped[int | None] = _noted(Integer, "0,1,2,... order of the call within its run")
+    policy: Mapped[str | None] = _noted(String(256), "policy the request named")
+    adapter: Mapped[str | None] = _noted(String(256), "model the upstream served: base or policy@step")
+    policy_step: Mapped[int | None] = _noted(Integer, "0 = base model")
+    endpoint: Mapped[str | None] = _noted(String(64), "chat.completions or completions")
     stream: Mapped[bool | None] = mapped_column()
     request: Mapped[dict[str, Any] | None] = mapped_column(comment="the client's request body, as sent")
     response: Mapped[dict[str, Any] | None] = mapped_column(
@@ -141,21 +143,19 @@ class Completion(Base):
     token_ids: Mapped[list[Any] | None] = mapped_column(comment="sampled token ids, one list per choice")
     logprobs: Mapped[list[Any] | None] = mapped_column(comment="sampling logprobs, one list per choice")
     finish_reason: Mapped[str | None] = mapped_column(String(32))
-    status: Mapped[str | None] = mapped_column(
-        String(16), comment="ok, error, cancelled (client disconnected)"
-    )
+    status: Mapped[str | None] = _noted(String(16), "ok, error, cancelled (client disconnected)")
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     latency_ms: Mapped[float | None] = mapped_column(Float)
-    ttft_ms: Mapped[float | None] = mapped_column(Float, comment="time to first token (streams)")
+    ttft_ms: Mapped[float | None] = _noted(Float, "time to first token (streams)")
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
-    capture_id: Mapped[str | None] = mapped_column(
-        String(64), comment="unique id the proxy gave the record (its crash-journal replay stores it once)"
+    capture_id: Mapped[str | None] = _noted(
+        String(64), "unique id the proxy gave the record (its crash-journal replay stores it once)"
     )
-    response_id: Mapped[str | None] = mapped_column(
-        String(64), comment="Responses API: id of the response object; NULL if store: false"
+    response_id: Mapped[str | None] = _noted(
+        String(64), "Responses API: id of the response object; NULL if store: false"
     )
     client_request: Mapped[dict[str, Any] | None] = mapped_column(
         comment="Responses API: the request body as the client sent it"
@@ -163,13 +163,13 @@ class Completion(Base):
     client_response: Mapped[dict[str, Any] | None] = mapped_column(
         comment="Responses API: the response object the client received"
     )
-    source: Mapped[str | None] = mapped_column(
+    source: Mapped[str | None] = _noted(
         String(16),
-        comment="hosted: a text-only upstream answered (token ids NULL: SFT data, never a GRPO sample); "
+        "hosted: a text-only upstream answered (token ids NULL: SFT data, never a GRPO sample); "
         "NULL: captured with exact tokens",
     )
-    key_id: Mapped[str | None] = mapped_column(
-        String(32), comment="keys.id of the app that made the call (NULL: the shared agents' key)"
+    key_id: Mapped[str | None] = _noted(
+        String(32), "keys.id of the app that made the call (NULL: the shared agents' key)"
     )
 
     __table_args__ = (
@@ -186,17 +186,27 @@ class Key(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, comment="public id, key_<hex>")
     name: Mapped[str] = mapped_column(String(128), unique=True, comment="the operator's name for the app")
-    secret_hash: Mapped[str] = mapped_column(String(64), comment="sha256 hex of the secret (rk-...)")
+    secret_hash: Mapped[str] = _noted(String(64), "sha256 hex of the secret (rk-...)")
     policies: Mapped[list[Any] | None] = mapped_column(comment="JSON list of policies it may use; NULL: all")
-    rpm: Mapped[int | None] = mapped_column(Integer, comment="requests per minute (NULL: no limit)")
-    tpm: Mapped[int | None] = mapped_column(Integer, comment="tokens per minute (NULL: no limit)")
-    max_streams: Mapped[int | None] = mapped_column(Integer, comment="streams in flight (NULL: no limit)")
-    scorer_url: Mapped[str | None] = mapped_column(Text, comment="its own scorer for siblings (NULL: none)")
+    rpm: Mapped[int | None] = _noted(Integer, "requests per minute (NULL: no limit)")
+    tpm: Mapped[int | None] = _noted(Integer, "tokens per minute (NULL: no limit)")
+    max_streams: Mapped[int | None] = _noted(Integer, "streams in flight (NULL: no limit)")
+    scorer_url: Mapped[str | None] = _noted(Text, "its own scorer for siblings (NULL: none)")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), comment="NULL: valid")
-    last_used_at: Mapped[datetime | None] = mapped_column(
-        DateTime(timezone=True), comment="last request seen (updated once a minute at most per replica)"
+    revoked_at: Mapped[datetime | None] = _noted(DateTime(timezone=True), "NULL: valid")
+    last_used_at: Mapped[datetime | None] = _noted(
+        DateTime(timezone=True), "last request seen (updated once a minute at most per replica)"
     )
+
+
+def _step_metrics(integer: bool) -> dict[str, Any]:
+    """training_steps' metric columns, declared from THE list (storage/step_columns.py): the FLOAT
+    headline numbers of `metrics` (migration 0005) or the INTEGER counts of merged segments (0010)."""
+    return {
+        name: _noted(Integer if c.integer else Float, c.comment)
+        for name, c in STEP_COLUMNS.items()
+        if c.integer == integer
+    }
 
 
 class TrainingStep(Base):
@@ -205,65 +215,30 @@ class TrainingStep(Base):
     __tablename__ = "training_steps"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    step: Mapped[int] = mapped_column(Integer, comment="1,2,... per policy; adapter served as policy@step")
+    step: Mapped[int] = _noted(Integer, "1,2,... per policy; adapter served as policy@step")
     policy: Mapped[str] = mapped_column(String(256))
-    adapter_path: Mapped[str | None] = mapped_column(Text, comment="checkpoint folder holding the adapter")
+    adapter_path: Mapped[str | None] = _noted(Text, "checkpoint folder holding the adapter")
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     num_groups: Mapped[int | None] = mapped_column(Integer)
     num_runs: Mapped[int | None] = mapped_column(Integer)
-    num_tokens: Mapped[int | None] = mapped_column(Integer, comment="sampled tokens trained on")
+    num_tokens: Mapped[int | None] = _noted(Integer, "sampled tokens trained on")
     mean_reward: Mapped[float | None] = mapped_column(Float)
     loss: Mapped[float | None] = mapped_column(Float)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(
         comment="loss/, kl/, clip/, reward/, perf/ numbers"
     )
     config: Mapped[dict[str, Any] | None] = mapped_column(comment="resolved trainer settings of this step")
-    # the headline numbers of `metrics` as columns (migration 0005; rlproxy steps and the dashboard)
-    reward_std: Mapped[float | None] = mapped_column(Float, comment="std of the step's run rewards")
-    zero_variance_frac: Mapped[float | None] = mapped_column(
-        Float, comment="groups with equal rewards / groups seen since the last step (skipped too)"
-    )
-    kl: Mapped[float | None] = mapped_column(
-        Float, comment="per token: k3 to the base when beta > 0, else approx KL to the sampler"
-    )
-    clip_frac_low: Mapped[float | None] = mapped_column(
-        Float, comment="fraction of tokens clipped at 1 - epsilon (A < 0)"
-    )
-    clip_frac_high: Mapped[float | None] = mapped_column(
-        Float, comment="fraction of tokens clipped at 1 + epsilon_high (A > 0)"
-    )
-    entropy: Mapped[float | None] = mapped_column(
-        Float, comment="mean entropy of the policy at the sampled positions, nats"
-    )
-    completion_len_mean: Mapped[float | None] = mapped_column(
-        Float, comment="mean sampled tokens per trained completion"
-    )
-    policy_lag_mean: Mapped[float | None] = mapped_column(
-        Float, comment="mean adapter steps between sampling and training"
-    )
-    tokens_per_s: Mapped[float | None] = mapped_column(
-        Float, comment="prompt + completion tokens trained per second"
-    )
-    grad_norm: Mapped[float | None] = mapped_column(Float, comment="global gradient norm before clipping")
+    locals().update(_step_metrics(integer=False))  # in the class body: the columns keep their order
     kind: Mapped[str] = mapped_column(
         String(16), default="grpo", server_default="grpo", comment="grpo, or sft for supervised steps"
     )  # also fork / init: step 1 of a policy started from another's step or a LoRA folder (PolicyOrigin)
     # validation (migration 0008; storage/validation.py)
-    val_reward: Mapped[float | None] = mapped_column(
-        Float, comment="mean reward of the val runs served by step - 1 (at the commit)"
+    val_reward: Mapped[float | None] = _noted(
+        Float, "mean reward of the val runs served by step - 1 (at the commit)"
     )
-    val_runs: Mapped[int | None] = mapped_column(Integer, comment="how many val runs val_reward averages")
-    # merged segments (migration 0010; trainer/segments.py)
-    positions_merged: Mapped[int | None] = mapped_column(
-        Integer, comment="token positions the step's forward passes ran (calls merged into segments)"
-    )
-    positions_unmerged: Mapped[int | None] = mapped_column(
-        Integer, comment="positions one sample per trained call would have run (prompt + completion)"
-    )
-    segment_breaks: Mapped[int | None] = mapped_column(
-        Integer, comment="calls that did not extend their run's earlier tokens: a new segment each"
-    )
+    val_runs: Mapped[int | None] = _noted(Integer, "how many val runs val_reward averages")
+    locals().update(_step_metrics(integer=True))  # merged segments (trainer/segments.py)
 
     __table_args__ = (UniqueConstraint("policy", "step", name="uq_training_steps_policy_step"),)
 
@@ -276,11 +251,9 @@ class PolicyOrigin(Base):
     __tablename__ = "policies"
 
     name: Mapped[str] = mapped_column(String(256), primary_key=True, comment="the policy")
-    parent: Mapped[str | None] = mapped_column(String(256), comment="policy it was forked from")
-    parent_step: Mapped[int | None] = mapped_column(Integer, comment="step of parent it was forked from")
-    init_adapter: Mapped[str | None] = mapped_column(
-        Text, comment="LoRA folder it started from (--init-adapter)"
-    )
+    parent: Mapped[str | None] = _noted(String(256), "policy it was forked from")
+    parent_step: Mapped[int | None] = _noted(Integer, "step of parent it was forked from")
+    init_adapter: Mapped[str | None] = _noted(Text, "LoRA folder it started from (--init-adapter)")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -298,39 +271,37 @@ class Rollout(Base):
     __tablename__ = "rollouts"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    policy: Mapped[str] = mapped_column(String(256), comment="the policy")
-    candidate_step: Mapped[int] = mapped_column(Integer, comment="the new step on trial")
-    incumbent_step: Mapped[int] = mapped_column(Integer, comment="the step it would replace (0 = base)")
-    fraction: Mapped[float] = mapped_column(Float, comment="share of new runs the candidate serves, 0-1")
+    policy: Mapped[str] = _noted(String(256), "the policy")
+    candidate_step: Mapped[int] = _noted(Integer, "the new step on trial")
+    incumbent_step: Mapped[int] = _noted(Integer, "the step it would replace (0 = base)")
+    fraction: Mapped[float] = _noted(Float, "share of new runs the candidate serves, 0-1")
     status: Mapped[str] = mapped_column(
         String(16), default=RolloutStatus.canary, comment="canary, promoted or rolled_back"
     )
-    decision: Mapped[str | None] = mapped_column(
-        String(16), comment="the last look's outcome: continue, promote or rollback"
+    decision: Mapped[str | None] = _noted(
+        String(16), "the last look's outcome: continue, promote or rollback"
     )
-    decided_by: Mapped[str | None] = mapped_column(String(16), comment="rule, or manual (rlproxy rollout)")
-    reason: Mapped[str | None] = mapped_column(Text, comment="why, in words (the test and its numbers)")
+    decided_by: Mapped[str | None] = _noted(String(16), "rule, or manual (rlproxy rollout)")
+    reason: Mapped[str | None] = _noted(Text, "why, in words (the test and its numbers)")
     looks: Mapped[int] = mapped_column(
         Integer, default=0, server_default="0", comment="looks the rule took (each spends alpha / looks)"
     )
-    statistic: Mapped[str | None] = mapped_column(String(16), comment="welch_t, paired_t or errors_z")
-    stat_value: Mapped[float | None] = mapped_column(Float, comment="the statistic at the last look")
-    p_value: Mapped[float | None] = mapped_column(Float, comment="its one-sided p-value")
-    candidate_runs: Mapped[int | None] = mapped_column(Integer, comment="rewarded runs of the candidate arm")
-    incumbent_runs: Mapped[int | None] = mapped_column(Integer, comment="rewarded runs of the incumbent arm")
-    candidate_reward: Mapped[float | None] = mapped_column(Float, comment="mean reward, candidate arm")
-    incumbent_reward: Mapped[float | None] = mapped_column(Float, comment="mean reward, incumbent arm")
-    candidate_error_rate: Mapped[float | None] = mapped_column(
-        Float, comment="share of the candidate's runs with a 5xx or a completion cut at its length"
+    statistic: Mapped[str | None] = _noted(String(16), "welch_t, paired_t or errors_z")
+    stat_value: Mapped[float | None] = _noted(Float, "the statistic at the last look")
+    p_value: Mapped[float | None] = _noted(Float, "its one-sided p-value")
+    candidate_runs: Mapped[int | None] = _noted(Integer, "rewarded runs of the candidate arm")
+    incumbent_runs: Mapped[int | None] = _noted(Integer, "rewarded runs of the incumbent arm")
+    candidate_reward: Mapped[float | None] = _noted(Float, "mean reward, candidate arm")
+    incumbent_reward: Mapped[float | None] = _noted(Float, "mean reward, incumbent arm")
+    candidate_error_rate: Mapped[float | None] = _noted(
+        Float, "share of the candidate's runs with a 5xx or a completion cut at its length"
     )
-    incumbent_error_rate: Mapped[float | None] = mapped_column(Float, comment="the same, incumbent arm")
+    incumbent_error_rate: Mapped[float | None] = _noted(Float, "the same, incumbent arm")
     started_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, comment="runs created from then on are assigned"
     )
-    looked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), comment="the last look")
-    decided_at: Mapped[datetime | None] = mapped_column(
-        DateTime(timezone=True), comment="promoted or rolled back at"
-    )
+    looked_at: Mapped[datetime | None] = _noted(DateTime(timezone=True), "the last look")
+    decided_at: Mapped[datetime | None] = _noted(DateTime(timezone=True), "promoted or rolled back at")
 
     __table_args__ = (
         # one rollout per candidate step: two trainers or proxies can never open (or decide) it twice
@@ -358,28 +329,28 @@ class SiblingGroup(Base):
     __tablename__ = "sibling_groups"
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True, comment="the members' runs.group_id")
-    completion_id: Mapped[int] = mapped_column(
-        ForeignKey("completions.id", ondelete="CASCADE"), comment="the app's call it branched from"
+    completion_id: Mapped[int] = _noted(
+        ForeignKey("completions.id", ondelete="CASCADE"), "the app's call it branched from"
     )
-    run_id: Mapped[str | None] = mapped_column(String(128), comment="that call's run (NULL: untagged)")
-    policy: Mapped[str] = mapped_column(String(256), comment="policy that sampled every member")
-    policy_step: Mapped[int | None] = mapped_column(Integer, comment="step that sampled them (0 = base)")
-    k: Mapped[int] = mapped_column(Integer, comment="members, the app's answer included when with_original")
+    run_id: Mapped[str | None] = _noted(String(128), "that call's run (NULL: untagged)")
+    policy: Mapped[str] = _noted(String(256), "policy that sampled every member")
+    policy_step: Mapped[int | None] = _noted(Integer, "step that sampled them (0 = base)")
+    k: Mapped[int] = _noted(Integer, "members, the app's answer included when with_original")
     with_original: Mapped[bool] = mapped_column(
         default=True, comment="the app's answer is a member (false: its step was gone, K fresh answers)"
     )
-    reason: Mapped[str] = mapped_column(String(16), comment="new, alone or plateau (settings.siblings)")
-    temperature: Mapped[float | None] = mapped_column(Float, comment="sampling temperature of the siblings")
+    reason: Mapped[str] = _noted(String(16), "new, alone or plateau (settings.siblings)")
+    temperature: Mapped[float | None] = _noted(Float, "sampling temperature of the siblings")
     status: Mapped[str] = mapped_column(
         String(16), default=SiblingStatus.sampling, comment="sampling, scoring, scored or failed"
     )
-    scorer: Mapped[str | None] = mapped_column(String(32), comment="checks, url or judge (+checks)")
+    scorer: Mapped[str | None] = _noted(String(32), "checks, url or judge (+checks)")
     attempts: Mapped[int] = mapped_column(
         Integer, default=0, server_default="0", comment="scorer calls made so far"
     )
-    error: Mapped[str | None] = mapped_column(Text, comment="why it failed (the last scorer error)")
-    sampled_tokens: Mapped[int | None] = mapped_column(Integer, comment="tokens the siblings sampled")
-    sample_ms: Mapped[float | None] = mapped_column(Float, comment="engine wall time of the siblings, ms")
+    error: Mapped[str | None] = _noted(Text, "why it failed (the last scorer error)")
+    sampled_tokens: Mapped[int | None] = _noted(Integer, "tokens the siblings sampled")
+    sample_ms: Mapped[float | None] = _noted(Float, "engine wall time of the siblings, ms")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     scored_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
@@ -396,18 +367,18 @@ class ShadowCheck(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     policy: Mapped[str] = mapped_column(String(256))
-    candidate_step: Mapped[int] = mapped_column(Integer, comment="the new step")
-    serving_step: Mapped[int] = mapped_column(Integer, comment="the step serving when it ran (0 = base)")
-    status: Mapped[str] = mapped_column(String(16), comment="running, passed, failed (rolled back) or error")
-    prompts: Mapped[int | None] = mapped_column(Integer, comment="prompt pairs scored")
-    candidate_score: Mapped[float | None] = mapped_column(Float, comment="mean score of the candidate")
-    serving_score: Mapped[float | None] = mapped_column(Float, comment="mean score of the serving step")
-    margin: Mapped[float | None] = mapped_column(Float, comment="shadow_margin in force")
+    candidate_step: Mapped[int] = _noted(Integer, "the new step")
+    serving_step: Mapped[int] = _noted(Integer, "the step serving when it ran (0 = base)")
+    status: Mapped[str] = _noted(String(16), "running, passed, failed (rolled back) or error")
+    prompts: Mapped[int | None] = _noted(Integer, "prompt pairs scored")
+    candidate_score: Mapped[float | None] = _noted(Float, "mean score of the candidate")
+    serving_score: Mapped[float | None] = _noted(Float, "mean score of the serving step")
+    margin: Mapped[float | None] = _noted(Float, "shadow_margin in force")
     scorer: Mapped[str | None] = mapped_column(String(32))
     pairs: Mapped[list[Any] | None] = mapped_column(
         comment='JSON list of {"completion_id", "candidate", "serving"} scores'
     )
-    reason: Mapped[str | None] = mapped_column(Text, comment="the decision in words")
+    reason: Mapped[str | None] = _noted(Text, "the decision in words")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 

@@ -13,6 +13,7 @@ comparison of steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,72 +22,69 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.storage.models import Completion, Run
+from rlproxy.storage.times import aware, iso
 
 RUNS = Run.__table__
 COMPLETIONS = Completion.__table__
 MAX_LIMIT = 1000
 
 
-def _iso(v: Any) -> Any:
-    """A time as ISO 8601 in UTC (an aggregate over SQLite hands back its naive UTC text)."""
-    if isinstance(v, str) and len(v) >= 19 and v[4] == "-" and v[10] in " T":
-        try:
-            v = datetime.fromisoformat(v)
-        except ValueError:
-            return v
-    if isinstance(v, datetime):
-        v = v if v.tzinfo is not None else v.replace(tzinfo=UTC)
-        return v.astimezone(UTC).isoformat()
-    return v
+@dataclass(frozen=True)
+class RunFilter:
+    """The runs page's filters as its query string names them (None or "": no filter).
+
+    `since`/`until` bound `created_at` (ISO 8601 text); `q` is a substring of the run id (case-sensitive).
+    """
+
+    status: str | None = None
+    policy: str | None = None
+    group_id: str | None = None
+    split: str | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    since: str | None = None
+    until: str | None = None
+    q: str | None = None
 
 
-def _when(engine: AsyncEngine, v: datetime) -> datetime:
-    """A bound for a time column: SQLite compares naive UTC text, PostgreSQL aware datetimes."""
-    v = v if v.tzinfo is not None else v.replace(tzinfo=UTC)
-    v = v.astimezone(UTC)
+def _when(engine: AsyncEngine, value: str, name: str) -> datetime:
+    """A bound for a time column (SQLite compares naive UTC text, PostgreSQL aware datetimes).
+
+    Raises ValueError(name) when `value` is not an ISO 8601 time."""
+    try:
+        v = aware(datetime.fromisoformat(value.replace("Z", "+00:00"))).astimezone(UTC)
+    except ValueError:
+        raise ValueError(name) from None
     return v.replace(tzinfo=None) if engine.dialect.name == "sqlite" else v
 
 
 async def find_runs(
-    engine: AsyncEngine,
-    *,
-    status: str | None = None,
-    policy: str | None = None,
-    group_id: str | None = None,
-    split: str | None = None,
-    min_reward: float | None = None,
-    max_reward: float | None = None,
-    since: datetime | None = None,
-    until: datetime | None = None,
-    q: str | None = None,
-    limit: int = 50,
-    offset: int = 0,
+    engine: AsyncEngine, f: RunFilter, limit: int = 50, offset: int = 0
 ) -> tuple[list[dict[str, Any]], int]:
-    """Runs newest first under every filter given (None: no filter), and how many match in all.
-
-    `since`/`until` bound `created_at`; `q` is a substring of the run id (case-sensitive).
-    """
+    """Runs newest first under every filter of `f`, and how many match in all; ValueError(name) for
+    a time that is not ISO 8601."""
     limit = max(1, min(int(limit), MAX_LIMIT))
-    conds = []
-    for column, value in (
-        (RUNS.c.status, status),
-        (RUNS.c.policy, policy),
-        (RUNS.c.group_id, group_id),
-        (RUNS.c.split, split),
-    ):
-        if value is not None:
-            conds.append(column == value)
-    if min_reward is not None:
-        conds.append(RUNS.c.reward >= min_reward)
-    if max_reward is not None:
-        conds.append(RUNS.c.reward <= max_reward)
-    if since is not None:
-        conds.append(RUNS.c.created_at >= _when(engine, since))
-    if until is not None:
-        conds.append(RUNS.c.created_at <= _when(engine, until))
-    if q:
+    conds = [
+        c == v
+        for c, v in (
+            (RUNS.c.status, f.status),
+            (RUNS.c.policy, f.policy),
+            (RUNS.c.group_id, f.group_id),
+            (RUNS.c.split, f.split),
+        )
+        if v
+    ]
+    if f.min_reward is not None:
+        conds.append(RUNS.c.reward >= f.min_reward)
+    if f.max_reward is not None:
+        conds.append(RUNS.c.reward <= f.max_reward)
+    if f.since:
+        conds.append(RUNS.c.created_at >= _when(engine, f.since, "since"))
+    if f.until:
+        conds.append(RUNS.c.created_at <= _when(engine, f.until, "until"))
+    if f.q:
         conds.append(
-            func.instr(RUNS.c.id, q) > 0 if engine.dialect.name == "sqlite" else RUNS.c.id.contains(q)
+            func.instr(RUNS.c.id, f.q) > 0 if engine.dialect.name == "sqlite" else RUNS.c.id.contains(f.q)
         )
     where = and_(True, *conds)
     n_completions = (
@@ -106,7 +104,9 @@ async def find_runs(
     async with engine.connect() as conn:
         rows = (await conn.execute(page)).mappings().all()
         total = await conn.scalar(select(func.count()).select_from(RUNS).where(where))
-    return [{str(k): _iso(v) for k, v in r.items() if k != "next_seq"} for r in rows], int(total or 0)
+    return [{str(k): iso(v, text=True) for k, v in r.items() if k != "next_seq"} for r in rows], int(
+        total or 0
+    )
 
 
 # What became of a rewarded training run, by its status: the chart's point kinds. The run counts per
@@ -160,7 +160,7 @@ async def group_rewards(
             "policy": r["policy"],
             "status": r["status"],
             "outcome": OUTCOMES[r["status"]],
-            "at": _iso(r["at"]),
+            "at": iso(r["at"], text=True),
             "runs": int(r["runs"]),
             "mean_reward": float(r["mean_reward"]),
             "min_reward": float(r["min_reward"]),
@@ -264,7 +264,8 @@ async def completion_tokens(engine: AsyncEngine, completion_id: int) -> dict[str
         "run": None
         if run is None
         else {
-            k: _iso(run[k]) for k in ("id", "group_id", "status", "status_reason", "reward", "trained_step")
+            k: iso(run[k], text=True)
+            for k in ("id", "group_id", "status", "status_reason", "reward", "trained_step")
         },
         "cohort": cohort,
     }

@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from rlproxy.storage.db import connect_write, create_engine, is_sqlite, normalize_url, sqlite_path
 from rlproxy.storage.errors import NotAStore
 from rlproxy.storage.models import Completion, Rollout, RolloutStatus, Run, RunStatus, TrainingStep
+from rlproxy.storage.times import aware, iso
 from rlproxy.storage.training import STEP_COLUMNS
 from rlproxy.storage.validation import best_step
 
@@ -34,24 +35,12 @@ STEPS = TrainingStep.__table__
 MAX_LIMIT = 1000
 
 
-def _iso(v: Any) -> Any:
-    if isinstance(v, datetime):
-        if v.tzinfo is None:  # SQLite hands back naive datetimes; rlproxy writes UTC only
-            v = v.replace(tzinfo=UTC)
-        return v.astimezone(UTC).isoformat()
-    return v
-
-
 def _as_dict(row: Row[Any]) -> dict[str, Any]:
-    return {k: _iso(v) for k, v in row._mapping.items()}
-
-
-def _utc(v: datetime) -> datetime:
-    return v if v.tzinfo is not None else v.replace(tzinfo=UTC)
+    return {k: iso(v) for k, v in row._mapping.items()}
 
 
 def _encode_cursor(created_at: datetime, run_id: str) -> str:
-    raw = orjson.dumps([_utc(created_at).isoformat(), run_id])
+    raw = orjson.dumps([aware(created_at).isoformat(), run_id])
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
@@ -77,7 +66,7 @@ def _n_completions() -> Any:
 
 def _ts(engine: AsyncEngine, dt: datetime) -> datetime:
     # SQLite stores naive UTC text; compare with naive UTC so that the text order is time order.
-    dt = _utc(dt).astimezone(UTC)
+    dt = aware(dt).astimezone(UTC)
     return dt.replace(tzinfo=None) if engine.dialect.name == "sqlite" else dt
 
 
@@ -333,7 +322,7 @@ async def step_table(
         row["best"] = best.get(row["policy"]) == row["step"]
         row["metrics"] = metrics
         row.pop("config", None)
-        out.append({k: _iso(v) for k, v in row.items()})
+        out.append({k: iso(v) for k, v in row.items()})
     return out
 
 

@@ -15,19 +15,17 @@ trainers from opening one candidate twice.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import and_, delete, desc, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rlproxy.storage.db import connect_write
-from rlproxy.storage.models import Rollout, RolloutStatus, TrainingStep
+from rlproxy.storage.db import write_transaction
+from rlproxy.storage.models import Rollout, RolloutStatus, TrainingStep, utcnow
 from rlproxy.storage.rollout_rule import ArmRun, Verdict
+from rlproxy.storage.times import iso
 
 
 @dataclass(frozen=True)
@@ -51,29 +49,8 @@ class PolicyRollouts:
     previous: int | None = None  # incumbent of the rollout that promoted `stable`: its runs finish on it
 
 
-@asynccontextmanager
-async def _write(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    conn = await connect_write(engine)
-    try:
-        async with conn.begin():
-            yield conn
-    finally:
-        await conn.close()
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _iso(v: Any) -> Any:
-    # SQLite hands timezone-aware columns back naive (written as UTC); the view's times come as text
-    if isinstance(v, datetime):
-        return (v if v.tzinfo else v.replace(tzinfo=UTC)).isoformat()
-    return v
-
-
 def _row(r: Any) -> dict[str, Any]:
-    return {k: _iso(v) for k, v in r._mapping.items()}
+    return {k: iso(v) for k, v in r._mapping.items()}
 
 
 async def _incumbent(conn: AsyncConnection, policy: str, step: int) -> int:
@@ -90,7 +67,7 @@ async def _incumbent(conn: AsyncConnection, policy: str, step: int) -> int:
 async def begin(engine: AsyncEngine, policy: str, step: int, fraction: float) -> tuple[int, bool]:
     """Open the rollout of `policy@step` (before the step commits); (its id, whether this call
     inserted it: False when a crashed predecessor already had)."""
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         found = await conn.scalar(
             select(Rollout.id).where(Rollout.policy == policy, Rollout.candidate_step == step)
         )
@@ -107,7 +84,7 @@ async def begin(engine: AsyncEngine, policy: str, step: int, fraction: float) ->
                     status=RolloutStatus.canary,
                     decision="continue",
                     reason="collecting",
-                    started_at=_now(),
+                    started_at=utcnow(),
                 )
             )
         except IntegrityError:  # another trainer opened it between our read and our insert
@@ -121,7 +98,7 @@ async def begin(engine: AsyncEngine, policy: str, step: int, fraction: float) ->
 
 async def abort(engine: AsyncEngine, rollout_id: int) -> None:
     """Remove a rollout whose step never committed (its step belongs to nobody)."""
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         await conn.execute(delete(Rollout).where(Rollout.id == rollout_id, Rollout.status == "canary"))
 
 
@@ -209,7 +186,7 @@ async def arm_series(engine: AsyncEngine, rollout_id: int) -> list[dict[str, Any
     )
     async with engine.connect() as conn:
         rows = (await conn.execute(q, {"id": rollout_id})).all()
-    return [{"arm": a, "completed_at": _iso(t), "reward": float(r)} for a, t, r in rows]
+    return [{"arm": a, "completed_at": iso(t), "reward": float(r)} for a, t, r in rows]
 
 
 def _finite(x: float | None) -> float | None:
@@ -233,7 +210,7 @@ async def record_look(engine: AsyncEngine, rollout_id: int, verdict: Verdict, lo
     """Store a verdict: its numbers always; a look (`verdict.look` > `looks_done`) only once, by
     whoever writes it first; a promote / rollback closes the rollout. True when this call wrote the
     look or the decision (False: another process did, or it is closed already)."""
-    values: dict[str, Any] = {**_stats(verdict), "looked_at": _now(), "reason": verdict.reason}
+    values: dict[str, Any] = {**_stats(verdict), "looked_at": utcnow(), "reason": verdict.reason}
     cond = and_(Rollout.id == rollout_id, Rollout.status == RolloutStatus.canary)
     if verdict.look > looks_done:
         values.update(
@@ -248,9 +225,9 @@ async def record_look(engine: AsyncEngine, rollout_id: int, verdict: Verdict, lo
             values.update(
                 status=RolloutStatus.promoted if verdict.decision == "promote" else RolloutStatus.rolled_back,
                 decided_by="rule",
-                decided_at=_now(),
+                decided_at=utcnow(),
             )
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         res = await conn.execute(update(Rollout).where(cond).values(**values))
     return res.rowcount == 1 and verdict.look > looks_done
 
@@ -262,11 +239,11 @@ async def decide(
     if decision not in ("promote", "rollback"):
         raise ValueError(f"decision must be promote or rollback, not {decision!r}")
     status = RolloutStatus.promoted if decision == "promote" else RolloutStatus.rolled_back
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         res = await conn.execute(
             update(Rollout)
             .where(Rollout.id == rollout_id, Rollout.status == RolloutStatus.canary)
-            .values(status=status, decision=decision, decided_by=by, reason=reason, decided_at=_now())
+            .values(status=status, decision=decision, decided_by=by, reason=reason, decided_at=utcnow())
         )
     return res.rowcount == 1
 

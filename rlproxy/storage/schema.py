@@ -1,8 +1,9 @@
-"""The checked-in `schema.sql`: the SQLite schema at the migrations head, for people to read.
+"""The SQLite schema at the migrations head, for people to read: docs/schema.sql is its output.
 
-Regenerate after adding a migration (a test fails while it is stale):
+Nothing reads that file at run time. Regenerate it after adding a migration (a test fails while
+it is stale):
 
-    python -m rlproxy.storage.schema > rlproxy/storage/schema.sql
+    python -m rlproxy.storage.schema > docs/schema.sql
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from pathlib import Path
 
 from rlproxy.storage.db import upgrade
 
-SCHEMA_SQL = Path(__file__).with_name("schema.sql")
 HEADER = """\
 -- rlproxy's SQLite schema at the newest migration (generated: python -m rlproxy.storage.schema).
 -- Do not edit: change rlproxy/storage/models.py, add an Alembic revision, regenerate this file.

@@ -12,18 +12,17 @@ reader that sees the step sees it rejected (proxy/rollout.py, `queries.latest_ad
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import and_, desc, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from rlproxy.storage.db import connect_write
-from rlproxy.storage.models import Completion, Rollout, RolloutStatus, Run, ShadowCheck, TrainingStep
+from rlproxy.storage.db import write_transaction
+from rlproxy.storage.models import Completion, Rollout, RolloutStatus, Run, ShadowCheck, TrainingStep, utcnow
+from rlproxy.storage.times import iso
 
 SCAN = 8  # rows read per prompt wanted: repeated prompts (a retried call, a group's shared task) are dropped
 FINAL = ("passed", "failed", "skipped")  # a verdict that stands (a check in `error` may run again)
@@ -37,26 +36,6 @@ class StoredPrompt:
     prompt_ids: list[int]
     request: dict[str, Any]  # the app's request body (max_tokens, temperature, stop, messages, tools...)
     endpoint: str | None
-
-
-@asynccontextmanager
-async def _write(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    conn = await connect_write(engine)
-    try:
-        async with conn.begin():
-            yield conn
-    finally:
-        await conn.close()
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _iso(v: Any) -> Any:
-    if isinstance(v, datetime):  # SQLite hands timezone-aware columns back naive (written as UTC)
-        return (v if v.tzinfo else v.replace(tzinfo=UTC)).isoformat()
-    return v
 
 
 def _flat_ids(v: Any) -> list[int] | None:
@@ -122,7 +101,7 @@ async def get_check(engine: AsyncEngine, policy: str, step: int) -> dict[str, An
     q = select(ShadowCheck.__table__).where(ShadowCheck.policy == policy, ShadowCheck.candidate_step == step)
     async with engine.connect() as conn:
         r = (await conn.execute(q)).first()
-    return {k: _iso(v) for k, v in r._mapping.items()} if r is not None else None
+    return {k: iso(v) for k, v in r._mapping.items()} if r is not None else None
 
 
 async def start_check(
@@ -139,11 +118,11 @@ async def start_check(
         "serving_score": None,
         "pairs": None,
         "reason": None,
-        "created_at": _now(),
+        "created_at": utcnow(),
         "finished_at": None,
     }
     where = and_(ShadowCheck.policy == policy, ShadowCheck.candidate_step == step)
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         found = await conn.scalar(select(ShadowCheck.id).where(where))
         if found is not None:
             await conn.execute(update(ShadowCheck).where(ShadowCheck.id == found).values(**values))
@@ -156,18 +135,12 @@ async def start_check(
 
 
 async def finish_check(
-    engine: AsyncEngine,
-    check_id: int,
-    *,
-    status: str,
-    reason: str,
-    prompts: int | None = None,
-    candidate_score: float | None = None,
-    serving_score: float | None = None,
+    engine: AsyncEngine, check_id: int, *, status: str, reason: str, prompts: int | None = None,
+    candidate_score: float | None = None, serving_score: float | None = None,
     pairs: list[dict[str, Any]] | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Write a check's outcome: passed, failed, skipped or error, its numbers and its reason."""
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         await conn.execute(
             update(ShadowCheck)
             .where(ShadowCheck.id == check_id)
@@ -178,7 +151,7 @@ async def finish_check(
                 candidate_score=candidate_score,
                 serving_score=serving_score,
                 pairs=pairs,
-                finished_at=_now(),
+                finished_at=utcnow(),
             )
         )
 
@@ -186,8 +159,8 @@ async def finish_check(
 async def reject_step(engine: AsyncEngine, *, policy: str, step: int, serving: int, reason: str) -> None:
     """Record `policy@step` as rolled back by the shadow check (before the step commits); idempotent."""
     where = and_(Rollout.policy == policy, Rollout.candidate_step == step)
-    now = _now()
-    async with _write(engine) as conn:
+    now = utcnow()
+    async with write_transaction(engine) as conn:
         found = await conn.scalar(select(Rollout.id).where(where))
         if found is not None:  # a crash after this write: the row stands; a canary's row is closed
             await conn.execute(
@@ -221,4 +194,4 @@ async def list_checks(
     if policy is not None:
         q = q.where(ShadowCheck.policy == policy)
     async with engine.connect() as conn:
-        return [{k: _iso(v) for k, v in r._mapping.items()} for r in (await conn.execute(q)).all()]
+        return [{k: iso(v) for k, v in r._mapping.items()} for r in (await conn.execute(q)).all()]

@@ -42,8 +42,9 @@ from sqlalchemy import and_, exists, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from rlproxy.storage.db import write_transaction
 from rlproxy.storage.models import Completion, Key, Run, RunStatus, SiblingGroup, SiblingStatus
-from rlproxy.storage.training import StatusReason, _write
+from rlproxy.storage.training import StatusReason
 
 log = logging.getLogger(__name__)
 
@@ -107,34 +108,21 @@ class ScoringGroup:
 def _one_choice(row: Any) -> bool:
     """The call has a flat prompt of ids and exactly one sampled choice (what a group branches)."""
     p, t = row.prompt_token_ids, row.token_ids
-    return (
-        isinstance(p, list)
-        and bool(p)
-        and all(isinstance(x, int) for x in p)
-        and isinstance(t, list)
-        and len(t) == 1
-        and isinstance(t[0], list)
-        and bool(t[0])
-    )
+    prompt = isinstance(p, list) and bool(p) and all(isinstance(x, int) for x in p)
+    return prompt and isinstance(t, list) and len(t) == 1 and isinstance(t[0], list) and bool(t[0])
 
 
 def _call(row: Any, reason: str) -> BranchCall:
     lps = row.logprobs[0] if isinstance(row.logprobs, list) and row.logprobs else None
+    same = ("run_id", "policy", "adapter", "policy_step", "endpoint", "response", "finish_reason", "key_id")
     return BranchCall(
         completion_id=row.id,
-        run_id=row.run_id,
-        policy=row.policy,
-        adapter=row.adapter,
-        policy_step=row.policy_step,
-        endpoint=row.endpoint,
         request=row.request or {},
-        response=row.response,
         prompt_ids=list(row.prompt_token_ids),
         token_ids=list(row.token_ids[0]),
         logprobs=list(lps) if isinstance(lps, list) else None,
-        finish_reason=row.finish_reason,
         reason=reason,
-        key_id=row.key_id,
+        **{name: getattr(row, name) for name in same},
     )
 
 
@@ -345,33 +333,32 @@ async def create_group(
                 "completion_tokens": len(m.token_ids),
             },
         )
+    group = dict(id=group_id, completion_id=call.completion_id, run_id=call.run_id, policy=call.policy,
+                 policy_step=policy_step, k=k, with_original=with_original, reason=call.reason,
+                 temperature=temperature, status=SiblingStatus.scoring, attempts=0,
+                 sampled_tokens=sampled_tokens, sample_ms=sample_ms, created_at=now)  # fmt: skip
+    return await _insert_group(engine, group, runs, comps)
+
+
+async def _insert_group(
+    engine: AsyncEngine,
+    group: dict[str, Any],
+    runs: list[dict[str, Any]] | None = None,
+    comps: list[dict[str, Any]] | None = None,
+) -> bool:
+    """Insert a sibling group row (with its member runs and completions) in ONE transaction; False,
+    nothing written, when its call is branched already (or by another writer meanwhile)."""
     try:
-        async with _write(engine) as conn:
+        async with write_transaction(engine) as conn:
             taken = await conn.scalar(
-                select(SiblingGroup.id).where(SiblingGroup.completion_id == call.completion_id)
+                select(SiblingGroup.id).where(SiblingGroup.completion_id == group["completion_id"])
             )
             if taken is not None:
                 return False
-            await conn.execute(
-                insert(SiblingGroup).values(
-                    id=group_id,
-                    completion_id=call.completion_id,
-                    run_id=call.run_id,
-                    policy=call.policy,
-                    policy_step=policy_step,
-                    k=k,
-                    with_original=with_original,
-                    reason=call.reason,
-                    temperature=temperature,
-                    status=SiblingStatus.scoring,
-                    attempts=0,
-                    sampled_tokens=sampled_tokens,
-                    sample_ms=sample_ms,
-                    created_at=now,
-                )
-            )
-            await conn.execute(insert(Run), runs)
-            await conn.execute(insert(Completion), comps)
+            await conn.execute(insert(SiblingGroup).values(**group))
+            if runs:
+                await conn.execute(insert(Run), runs)
+                await conn.execute(insert(Completion), comps)
     except IntegrityError:  # another writer branched the same call meanwhile
         return False
     return True
@@ -380,24 +367,11 @@ async def create_group(
 async def fail_sampling(engine: AsyncEngine, *, group_id: str, call: BranchCall, k: int, error: str) -> bool:
     """Record a call whose siblings could not be sampled: a `failed` group without members (visible,
     and the call is not tried again). False when the call is already branched."""
-    try:
-        async with _write(engine) as conn:
-            taken = await conn.scalar(
-                select(SiblingGroup.id).where(SiblingGroup.completion_id == call.completion_id)
-            )
-            if taken is not None:
-                return False
-            await conn.execute(
-                insert(SiblingGroup).values(
-                    id=group_id, completion_id=call.completion_id, run_id=call.run_id, policy=call.policy,
-                    policy_step=call.policy_step, k=k, with_original=False, reason=call.reason,
-                    status=SiblingStatus.failed, attempts=0, error=f"sampling: {error}"[:2000],
-                    created_at=datetime.now(UTC),
-                )
-            )  # fmt: skip
-    except IntegrityError:
-        return False
-    return True
+    group = dict(id=group_id, completion_id=call.completion_id, run_id=call.run_id, policy=call.policy,
+                 policy_step=call.policy_step, k=k, with_original=False, reason=call.reason,
+                 status=SiblingStatus.failed, attempts=0, error=f"sampling: {error}"[:2000],
+                 created_at=datetime.now(UTC))  # fmt: skip
+    return await _insert_group(engine, group)
 
 
 async def scoring_groups(engine: AsyncEngine, *, limit: int = 16) -> list[ScoringGroup]:
@@ -456,7 +430,7 @@ async def store_scores(engine: AsyncEngine, group_id: str, scores: dict[str, flo
     transaction; only a group still `scoring` changes. Returns the member runs changed."""
     now = datetime.now(UTC)
     changed = 0
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         res = await conn.execute(
             update(SiblingGroup)
             .where(SiblingGroup.id == group_id, SiblingGroup.status == SiblingStatus.scoring)
@@ -483,7 +457,7 @@ async def store_scores(engine: AsyncEngine, group_id: str, scores: dict[str, flo
 async def fail_scoring(engine: AsyncEngine, group_id: str, error: str, *, max_attempts: int) -> bool:
     """Count a failed scorer call; at `max_attempts` the group and its open runs become `failed`
     (`scorer_failed`). True when the group failed for good."""
-    async with _write(engine) as conn:
+    async with write_transaction(engine) as conn:
         attempts = await conn.scalar(
             select(SiblingGroup.attempts).where(
                 SiblingGroup.id == group_id, SiblingGroup.status == SiblingStatus.scoring

@@ -27,22 +27,21 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import exists, func, insert, literal_column, select, update
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import aliased
 
-from rlproxy.storage.db import connect_write
+from rlproxy.storage.db import write_transaction as _write  # judging, too
 from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.models import Completion, Run, RunStatus, TrainingStep
 from rlproxy.storage.step_columns import STEP_COLUMNS as STEP_COLUMNS  # re-exported: queries, trainer
 from rlproxy.storage.step_columns import STEP_METRIC_COLUMNS
 from rlproxy.storage.step_columns import step_columns as step_columns  # re-exported: the trainer
+from rlproxy.storage.times import aware as _aware  # judging, too
 from rlproxy.storage.validation import step_summary
 
 log = logging.getLogger(__name__)
@@ -124,22 +123,6 @@ class RunData:
     ungrouped: bool = False  # alone in its group: its baseline is its batch's (batches.baseline_group)
     sibling: bool = False  # a member of a sibling group (runs.branch_of set)
     weight: float = 1.0  # its advantage's multiplier in a step (a sibling's: siblings_weight)
-
-
-@asynccontextmanager
-async def _write(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    """One write transaction holding SQLite's write lock from its start (BEGIN IMMEDIATE)."""
-    conn = await connect_write(engine)
-    try:
-        async with conn.begin():  # raising inside rolls everything back
-            yield conn
-    finally:
-        await conn.close()
-
-
-def _aware(t: datetime | None) -> datetime | None:
-    # SQLite hands timezone-aware columns back naive; they were written as UTC.
-    return t.replace(tzinfo=UTC) if t is not None and t.tzinfo is None else t
 
 
 def _status_is(engine: AsyncEngine, status: RunStatus) -> Any:

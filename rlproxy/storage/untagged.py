@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.storage.db import connect_write
 from rlproxy.storage.models import Completion, Run, RunStatus
+from rlproxy.storage.times import iso
 
 RUNS = Run.__table__
 COMPLETIONS = Completion.__table__
@@ -74,19 +75,9 @@ async def list_untagged(
         rows = (await conn.execute(text(sql), {"before": before, "n": limit + 1})).mappings().all()
     out = [{c: r.get(c) for c in UNTAGGED_COLUMNS} for r in rows[:limit]]
     for row in out:
-        row["created_at"] = _iso(row["created_at"])
+        row["created_at"] = iso(row["created_at"], text=True)  # SQLite: the view's text
     nxt = out[-1]["completion_id"] if len(rows) > limit else None
     return out, nxt
-
-
-def _iso(value: Any) -> Any:
-    """A time as ISO 8601 in UTC (SQLite's view hands back naive UTC text, PostgreSQL a datetime)."""
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
-    if isinstance(value, datetime):
-        value = value if value.tzinfo else value.replace(tzinfo=UTC)
-        return value.astimezone(UTC).isoformat()
-    return value
 
 
 async def find_reply(

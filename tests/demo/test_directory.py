@@ -16,7 +16,7 @@ from openai import OpenAI
 from stub_upstream import StubUpstream
 
 from rlproxy.demo import directory as task
-from rlproxy.demo.run import start_server, stop_server, wait_policy_step, wait_trained
+from rlproxy.demo.harness import start_server, stop_server, wait_policy_step, wait_trained
 
 # ------------------------------------------------------------------ the tool and the reward
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from rlproxy.demo.canary import CANARY_ENV, canary_loop
+from rlproxy.demo.harness import Loop
 from rlproxy.settings import Settings
 from rlproxy.storage.db import upgrade
 
@@ -26,9 +27,6 @@ class Agent:
 
     def __init__(self, db: Path) -> None:
         self.db, self.calls = db, 0
-
-    def default_model(self, client: object) -> str:
-        return "p"
 
     def run_group(self, *args: object, **kwargs: object) -> list[Episode]:
         self.calls += 1
@@ -53,7 +51,8 @@ def test_canary_loop_stops_at_the_first_promotion(tmp_path: Path) -> None:
     plan = SimpleNamespace(minutes=5, max_groups=20, group_size=4, temperature=1.0, max_tokens=8, seed=0)
     lines: list[str] = []
     rows: list[dict] = []
-    why = canary_loop("http://127.0.0.1:9", plan, Agent(db), rows, time.monotonic(), lines.append, db)
+    loop = Loop("http://127.0.0.1:9", None, "p", plan, Agent(db), rows, time.monotonic(), lines.append, db)  # type: ignore[arg-type]
+    why = canary_loop(loop)
     assert why == "promoted" and len(rows) == 3
     assert "  canary: step 1 serves half of the new runs, step 0 the rest" in lines
     assert lines[-1] == (

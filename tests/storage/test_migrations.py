@@ -73,9 +73,9 @@ def test_upgrade_works_outside_the_repo(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_schema_sql_is_current() -> None:
-    """rlproxy/storage/schema.sql is the migrations head; regenerate it when this fails:
-    python -m rlproxy.storage.schema > rlproxy/storage/schema.sql"""
-    assert schema.SCHEMA_SQL.read_text() == schema.head_schema()
+    """docs/schema.sql is the migrations head; regenerate it when this fails:
+    python -m rlproxy.storage.schema > docs/schema.sql"""
+    assert (Path(__file__).parents[2] / "docs" / "schema.sql").read_text() == schema.head_schema()
 
 
 def test_concurrent_upgrades(any_db_url: str) -> None:

@@ -103,7 +103,7 @@ def markdown() -> str:
     out: list[Any] = [
         "## Query your trajectories\n",
         "Everything is in plain SQL tables and two views (`messages`, `trajectories`); the schema is in",
-        "[`rlproxy/storage/schema.sql`](rlproxy/storage/schema.sql). With the default SQLite store:\n",
+        "[`docs/schema.sql`](schema.sql). With the default SQLite store:\n",
     ]
     for title, sql in QUERIES.items():
         note = "" if sql in PORTABLE else " (SQLite; on PostgreSQL use the jsonb functions)"

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import JSON, column
+
 revision: str = "0001"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
@@ -106,28 +108,20 @@ FROM runs AS r
 def upgrade() -> None:
     op.create_table(
         "runs",
-        sa.Column("id", sa.String(length=128), nullable=False, comment="X-Run-Id of the episode"),
-        sa.Column(
+        column("id", sa.String(length=128), "X-Run-Id of the episode", nullable=False),
+        column(
             "group_id",
             sa.String(length=128),
-            nullable=True,
-            comment="X-Group-Id, or a hash of policy+tools+prompt of its first completion",
+            "X-Group-Id, or a hash of policy+tools+prompt of its first completion",
         ),
-        sa.Column("policy", sa.String(length=256), nullable=True, comment="policy of its first completion"),
-        sa.Column("status", sa.String(length=16), nullable=False),
-        sa.Column("reward", sa.Float(), nullable=True),
-        sa.Column(
-            "metrics",
-            sa.JSON(none_as_null=True),
-            nullable=True,
-            comment="named numbers posted with the reward",
-        ),
-        sa.Column(
-            "metadata", sa.JSON(none_as_null=True), nullable=True, comment="free JSON posted with the reward"
-        ),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("completed_at", sa.DateTime(timezone=True), nullable=True, comment="when rewarded"),
-        sa.Column("trained_step", sa.Integer(), nullable=True, comment="training_steps.step that used it"),
+        column("policy", sa.String(length=256), "policy of its first completion"),
+        column("status", sa.String(length=16), nullable=False),
+        column("reward", sa.Float()),
+        column("metrics", JSON, "named numbers posted with the reward"),
+        column("metadata", JSON, "free JSON posted with the reward"),
+        column("created_at", sa.DateTime(timezone=True), nullable=False),
+        column("completed_at", sa.DateTime(timezone=True), "when rewarded"),
+        column("trained_step", sa.Integer(), "training_steps.step that used it"),
         sa.PrimaryKeyConstraint("id"),
     )
     with op.batch_alter_table("runs", schema=None) as batch_op:
@@ -138,87 +132,46 @@ def upgrade() -> None:
 
     op.create_table(
         "training_steps",
-        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
-        sa.Column(
-            "step", sa.Integer(), nullable=False, comment="1,2,... per policy; adapter served as policy@step"
-        ),
-        sa.Column("policy", sa.String(length=256), nullable=False),
-        sa.Column("adapter_path", sa.Text(), nullable=True, comment="checkpoint folder holding the adapter"),
-        sa.Column("started_at", sa.DateTime(timezone=True), nullable=True),
-        sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
-        sa.Column("num_groups", sa.Integer(), nullable=True),
-        sa.Column("num_runs", sa.Integer(), nullable=True),
-        sa.Column("num_tokens", sa.Integer(), nullable=True, comment="sampled tokens trained on"),
-        sa.Column("mean_reward", sa.Float(), nullable=True),
-        sa.Column("loss", sa.Float(), nullable=True),
-        sa.Column(
-            "metrics",
-            sa.JSON(none_as_null=True),
-            nullable=True,
-            comment="loss/, kl/, clip/, reward/, perf/ numbers",
-        ),
-        sa.Column(
-            "config",
-            sa.JSON(none_as_null=True),
-            nullable=True,
-            comment="resolved trainer settings of this step",
-        ),
+        column("id", sa.Integer(), nullable=False, autoincrement=True),
+        column("step", sa.Integer(), "1,2,... per policy; adapter served as policy@step", nullable=False),
+        column("policy", sa.String(length=256), nullable=False),
+        column("adapter_path", sa.Text(), "checkpoint folder holding the adapter"),
+        column("started_at", sa.DateTime(timezone=True)),
+        column("finished_at", sa.DateTime(timezone=True)),
+        column("num_groups", sa.Integer()),
+        column("num_runs", sa.Integer()),
+        column("num_tokens", sa.Integer(), "sampled tokens trained on"),
+        column("mean_reward", sa.Float()),
+        column("loss", sa.Float()),
+        column("metrics", JSON, "loss/, kl/, clip/, reward/, perf/ numbers"),
+        column("config", JSON, "resolved trainer settings of this step"),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("policy", "step", name="uq_training_steps_policy_step"),
     )
     op.create_table(
         "completions",
-        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
-        sa.Column(
-            "run_id", sa.String(length=128), nullable=True, comment="NULL when the request carried no run key"
-        ),
-        sa.Column("seq", sa.Integer(), nullable=True, comment="0,1,2,... order of the call within its run"),
-        sa.Column("policy", sa.String(length=256), nullable=True, comment="policy the request named"),
-        sa.Column(
-            "adapter",
-            sa.String(length=256),
-            nullable=True,
-            comment="model the upstream served: base or policy@step",
-        ),
-        sa.Column("policy_step", sa.Integer(), nullable=True, comment="0 = base model"),
-        sa.Column("endpoint", sa.String(length=64), nullable=True, comment="chat.completions or completions"),
-        sa.Column("stream", sa.Boolean(), nullable=True),
-        sa.Column(
-            "request", sa.JSON(none_as_null=True), nullable=True, comment="the client's request body, as sent"
-        ),
-        sa.Column(
-            "response",
-            sa.JSON(none_as_null=True),
-            nullable=True,
-            comment="the response as the client got it (streams assembled)",
-        ),
-        sa.Column("prompt_token_ids", sa.JSON(none_as_null=True), nullable=True),
-        sa.Column(
-            "token_ids",
-            sa.JSON(none_as_null=True),
-            nullable=True,
-            comment="sampled token ids, one list per choice",
-        ),
-        sa.Column(
-            "logprobs",
-            sa.JSON(none_as_null=True),
-            nullable=True,
-            comment="sampling logprobs, one list per choice",
-        ),
-        sa.Column("finish_reason", sa.String(length=32), nullable=True),
-        sa.Column(
-            "status",
-            sa.String(length=16),
-            nullable=True,
-            comment="ok, error, cancelled (client disconnected)",
-        ),
-        sa.Column("status_code", sa.Integer(), nullable=True),
-        sa.Column("error", sa.Text(), nullable=True),
-        sa.Column("latency_ms", sa.Float(), nullable=True),
-        sa.Column("ttft_ms", sa.Float(), nullable=True, comment="time to first token (streams)"),
-        sa.Column("prompt_tokens", sa.Integer(), nullable=True),
-        sa.Column("completion_tokens", sa.Integer(), nullable=True),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        column("id", sa.Integer(), nullable=False, autoincrement=True),
+        column("run_id", sa.String(length=128), "NULL when the request carried no run key"),
+        column("seq", sa.Integer(), "0,1,2,... order of the call within its run"),
+        column("policy", sa.String(length=256), "policy the request named"),
+        column("adapter", sa.String(length=256), "model the upstream served: base or policy@step"),
+        column("policy_step", sa.Integer(), "0 = base model"),
+        column("endpoint", sa.String(length=64), "chat.completions or completions"),
+        column("stream", sa.Boolean()),
+        column("request", JSON, "the client's request body, as sent"),
+        column("response", JSON, "the response as the client got it (streams assembled)"),
+        column("prompt_token_ids", JSON),
+        column("token_ids", JSON, "sampled token ids, one list per choice"),
+        column("logprobs", JSON, "sampling logprobs, one list per choice"),
+        column("finish_reason", sa.String(length=32)),
+        column("status", sa.String(length=16), "ok, error, cancelled (client disconnected)"),
+        column("status_code", sa.Integer()),
+        column("error", sa.Text()),
+        column("latency_ms", sa.Float()),
+        column("ttft_ms", sa.Float(), "time to first token (streams)"),
+        column("prompt_tokens", sa.Integer()),
+        column("completion_tokens", sa.Integer()),
+        column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(["run_id"], ["runs.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("run_id", "seq", name="uq_completions_run_seq"),

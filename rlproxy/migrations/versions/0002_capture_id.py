@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import add_column
+
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
@@ -26,11 +28,7 @@ COMMENT = "unique id the proxy gave the record (its crash-journal replay stores 
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name == "sqlite":  # keep the comment in SQLite's stored DDL text
-        op.execute(f"ALTER TABLE completions ADD COLUMN capture_id VARCHAR(64) /* {COMMENT} */")
-    else:
-        column = sa.Column("capture_id", sa.String(length=64), nullable=True, comment=COMMENT)
-        op.add_column("completions", column)
+    add_column("completions", sa.Column("capture_id", sa.String(length=64), comment=COMMENT))
     op.create_index("ux_completions_capture_id", "completions", ["capture_id"], unique=True)
 
 

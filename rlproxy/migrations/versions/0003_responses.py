@@ -34,40 +34,23 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import add_column
+
 revision: str = "0003"
 down_revision: str | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 COLUMNS = (
-    (
-        "response_id",
-        sa.String(length=64),
-        "VARCHAR(64)",
-        "Responses API: id of the response object; NULL if store: false",
-    ),
-    (
-        "client_request",
-        sa.JSON(none_as_null=True),
-        "JSON",
-        "Responses API: the request body as the client sent it",
-    ),
-    (
-        "client_response",
-        sa.JSON(none_as_null=True),
-        "JSON",
-        "Responses API: the response object the client received",
-    ),
+    ("response_id", sa.String(length=64), "Responses API: id of the response object; NULL if store: false"),
+    ("client_request", sa.JSON(none_as_null=True), "Responses API: the request body as the client sent it"),
+    ("client_response", sa.JSON(none_as_null=True), "Responses API: the response object the client received"),
 )
 
 
 def upgrade() -> None:
-    sqlite = op.get_context().dialect.name == "sqlite"
-    for name, type_, ddl, comment in COLUMNS:
-        if sqlite:  # keep the comment in SQLite's stored DDL text
-            op.execute(f"ALTER TABLE completions ADD COLUMN {name} {ddl} /* {comment} */")
-        else:
-            op.add_column("completions", sa.Column(name, type_, nullable=True, comment=comment))
+    for name, type_, comment in COLUMNS:
+        add_column("completions", sa.Column(name, type_, comment=comment))
     op.create_index("ux_completions_response_id", "completions", ["response_id"], unique=True)
 
 

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import add_column
+
 revision: str = "0004"
 down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
@@ -43,11 +45,7 @@ COMMENT = (
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name == "sqlite":  # keep the comment in SQLite's stored DDL text
-        op.execute(f"ALTER TABLE runs ADD COLUMN status_reason VARCHAR(32) /* {COMMENT} */")
-    else:
-        column = sa.Column("status_reason", sa.String(length=32), nullable=True, comment=COMMENT)
-        op.add_column("runs", column)
+    add_column("runs", sa.Column("status_reason", sa.String(length=32), comment=COMMENT))
     op.create_index("ix_runs_status_completed", "runs", ["status", "completed_at", "id"])
 
 

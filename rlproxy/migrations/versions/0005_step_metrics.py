@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import add_column, column
+
 revision: str = "0005"
 down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
@@ -38,18 +40,10 @@ KIND_COMMENT = "grpo, or sft for supervised steps"
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name == "sqlite":  # keep the comments in SQLite's stored DDL text
-        for name, comment in FLOAT_COLUMNS:
-            op.execute(f"ALTER TABLE training_steps ADD COLUMN {name} FLOAT /* {comment} */")
-        kind = f"kind VARCHAR(16) DEFAULT 'grpo' NOT NULL /* {KIND_COMMENT} */"
-        op.execute(f"ALTER TABLE training_steps ADD COLUMN {kind}")
-        return
     for name, comment in FLOAT_COLUMNS:
-        op.add_column("training_steps", sa.Column(name, sa.Float(), nullable=True, comment=comment))
-    kind = sa.Column(
-        "kind", sa.String(length=16), nullable=False, server_default="grpo", comment=KIND_COMMENT
-    )
-    op.add_column("training_steps", kind)
+        add_column("training_steps", sa.Column(name, sa.Float(), comment=comment))
+    kind = column("kind", sa.String(length=16), KIND_COMMENT, nullable=False, server_default="grpo")
+    add_column("training_steps", kind)
 
 
 def downgrade() -> None:

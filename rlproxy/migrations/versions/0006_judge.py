@@ -20,35 +20,29 @@ status_reason `judge_failed` (runs.status_reason is a VARCHAR(32): the new code 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
+
+from rlproxy.migrations.columns import add_column
 
 revision: str = "0006"
 down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# (name, SQL type, SQLAlchemy type, comment): the comments are the models' (storage/models.py Run)
-COLUMNS: tuple[tuple[str, str, sa.types.TypeEngine, str], ...] = (
-    (
-        "reward_source",
-        "VARCHAR(16)",
-        sa.String(length=16),
-        "app or judge (NULL reward: waiting for the judge)",
-    ),
-    ("judge_explanation", "TEXT", sa.Text(), "the judge's short reason for its score"),
-    ("judge_rubric", "TEXT", sa.Text(), "rubric named when the run was completed (NULL: the policy's)"),
+# (name, type, comment): the comments are the models' (storage/models.py Run)
+COLUMNS: tuple[tuple[str, sa.types.TypeEngine[Any], str], ...] = (
+    ("reward_source", sa.String(length=16), "app or judge (NULL reward: waiting for the judge)"),
+    ("judge_explanation", sa.Text(), "the judge's short reason for its score"),
+    ("judge_rubric", sa.Text(), "rubric named when the run was completed (NULL: the policy's)"),
 )
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name == "sqlite":  # keep the comments in SQLite's stored DDL text
-        for name, sql_type, _, comment in COLUMNS:
-            op.execute(f"ALTER TABLE runs ADD COLUMN {name} {sql_type} /* {comment} */")
-    else:
-        for name, _, sa_type, comment in COLUMNS:
-            op.add_column("runs", sa.Column(name, sa_type, nullable=True, comment=comment))
+    for name, type_, comment in COLUMNS:
+        add_column("runs", sa.Column(name, type_, comment=comment))
     op.execute("UPDATE runs SET reward_source = 'app' WHERE reward IS NOT NULL")
 
 

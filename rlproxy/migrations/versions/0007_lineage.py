@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import column
+
 revision: str = "0007"
 down_revision: str | None = "0006"
 branch_labels: str | Sequence[str] | None = None
@@ -33,13 +35,11 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.create_table(
         "policies",
-        sa.Column("name", sa.String(length=256), nullable=False, comment="the policy"),
-        sa.Column("parent", sa.String(length=256), nullable=True, comment="policy it was forked from"),
-        sa.Column("parent_step", sa.Integer(), nullable=True, comment="step of parent it was forked from"),
-        sa.Column(
-            "init_adapter", sa.Text(), nullable=True, comment="LoRA folder it started from (--init-adapter)"
-        ),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        column("name", sa.String(length=256), "the policy", nullable=False),
+        column("parent", sa.String(length=256), "policy it was forked from"),
+        column("parent_step", sa.Integer(), "step of parent it was forked from"),
+        column("init_adapter", sa.Text(), "LoRA folder it started from (--init-adapter)"),
+        column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("name"),
     )
 

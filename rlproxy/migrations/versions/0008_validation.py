@@ -23,9 +23,12 @@ no trainer query (they all start from `completed` or `ungrouped`) ever sees it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
+
+from rlproxy.migrations.columns import add_column, column
 
 revision: str = "0008"
 down_revision: str | None = "0007"
@@ -33,10 +36,10 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 SPLIT_COMMENT = "train, or val: a validation run, served and stored but never trained"
-# (name, SQL type, SQLAlchemy type, comment): the comments are the models' (storage/models.py TrainingStep)
-STEP_COLUMNS: tuple[tuple[str, str, sa.types.TypeEngine, str], ...] = (
-    ("val_reward", "FLOAT", sa.Float(), "mean reward of the val runs served by step - 1 (at the commit)"),
-    ("val_runs", "INTEGER", sa.Integer(), "how many val runs val_reward averages"),
+# (name, type, comment): the comments are the models' (storage/models.py TrainingStep)
+STEP_COLUMNS: tuple[tuple[str, sa.types.TypeEngine[Any], str], ...] = (
+    ("val_reward", sa.Float(), "mean reward of the val runs served by step - 1 (at the commit)"),
+    ("val_runs", sa.Integer(), "how many val runs val_reward averages"),
 )
 
 # One row per (policy, adapter step) with rewarded val runs. A correlated MIN/MAX per val run reads
@@ -57,18 +60,10 @@ GROUP BY policy, step
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name == "sqlite":  # keep the comments in SQLite's stored DDL text
-        split = f"split VARCHAR(8) DEFAULT 'train' NOT NULL /* {SPLIT_COMMENT} */"
-        op.execute(f"ALTER TABLE runs ADD COLUMN {split}")
-        for name, sql_type, _, comment in STEP_COLUMNS:
-            op.execute(f"ALTER TABLE training_steps ADD COLUMN {name} {sql_type} /* {comment} */")
-    else:
-        split = sa.Column(
-            "split", sa.String(length=8), nullable=False, server_default="train", comment=SPLIT_COMMENT
-        )
-        op.add_column("runs", split)
-        for name, _, sa_type, comment in STEP_COLUMNS:
-            op.add_column("training_steps", sa.Column(name, sa_type, nullable=True, comment=comment))
+    split = column("split", sa.String(length=8), SPLIT_COMMENT, nullable=False, server_default="train")
+    add_column("runs", split)
+    for name, type_, comment in STEP_COLUMNS:
+        add_column("training_steps", sa.Column(name, type_, comment=comment))
     op.execute(VALIDATION_VIEW)
 
 

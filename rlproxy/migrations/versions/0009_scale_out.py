@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import add_column, column
+
 revision: str = "0009"
 down_revision: str | None = "0008"
 branch_labels: str | Sequence[str] | None = None
@@ -31,11 +33,7 @@ COMMENT = "seq the run's next completion gets (the writers' counter, see storage
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name == "sqlite":  # keep the comment in SQLite's stored DDL text
-        op.execute(f"ALTER TABLE runs ADD COLUMN next_seq INTEGER DEFAULT '0' NOT NULL /* {COMMENT} */")
-    else:
-        column = sa.Column("next_seq", sa.Integer(), nullable=False, server_default="0", comment=COMMENT)
-        op.add_column("runs", column)
+    add_column("runs", column("next_seq", sa.Integer(), COMMENT, nullable=False, server_default="0"))
     op.execute(
         "UPDATE runs SET next_seq = COALESCE("
         "(SELECT MAX(seq) + 1 FROM completions WHERE completions.run_id = runs.id), 0)"

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import add_column
+
 revision: str = "0010"
 down_revision: str | None = "0009"
 branch_labels: str | Sequence[str] | None = None
@@ -40,12 +42,8 @@ TYPES = {"INTEGER": sa.Integer, "TEXT": sa.Text}
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name == "sqlite":  # keep the comments in SQLite's stored DDL text
-        for table, name, type_, comment in COLUMNS:
-            op.execute(f"ALTER TABLE {table} ADD COLUMN {name} {type_} /* {comment} */")
-        return
     for table, name, type_, comment in COLUMNS:
-        op.add_column(table, sa.Column(name, TYPES[type_](), nullable=True, comment=comment))
+        add_column(table, sa.Column(name, TYPES[type_](), comment=comment))
 
 
 def downgrade() -> None:

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import add_column
+
 revision: str = "0012"
 down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
@@ -33,12 +35,7 @@ SOURCE_COMMENT = (
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name == "sqlite":  # keep the comment in SQLite's stored DDL text
-        op.execute(f"ALTER TABLE completions ADD COLUMN source VARCHAR(16) /* {SOURCE_COMMENT} */")
-    else:
-        op.add_column(
-            "completions", sa.Column("source", sa.String(length=16), nullable=True, comment=SOURCE_COMMENT)
-        )
+    add_column("completions", sa.Column("source", sa.String(length=16), comment=SOURCE_COMMENT))
 
 
 def downgrade() -> None:

@@ -25,21 +25,26 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import column
+
 revision: str = "0013"
 down_revision: str | None = "0012"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-ROLLOUT_RUNS_VIEW = """
+
+def rollout_runs_view(joins: str = "", key_id: bool = False) -> str:
+    """The view's SQL; 0016 and 0017 re-create it with more `joins` conditions (0017 adds key_id)."""
+    return f"""
 CREATE VIEW rollout_runs AS
 SELECT rollout_id, policy,
     CASE WHEN step = candidate_step THEN 'candidate' ELSE 'incumbent' END AS arm,
-    step, run_id, group_id, reward, status, errored, created_at, completed_at
+    step, run_id, group_id, reward, status, errored, created_at, completed_at{", key_id" * key_id}
 FROM (
     SELECT ro.id AS rollout_id, ro.policy AS policy, ro.candidate_step AS candidate_step,
         ro.incumbent_step AS incumbent_step, r.id AS run_id, r.group_id AS group_id,
         r.reward AS reward, r.status AS status, r.created_at AS created_at,
-        r.completed_at AS completed_at,
+        r.completed_at AS completed_at{", r.key_id AS key_id" * key_id},
         (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
         (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
         CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
@@ -47,70 +52,52 @@ FROM (
                 OR CAST(c.response AS TEXT) LIKE '%<tool_call>%')) THEN 1 ELSE 0 END AS errored
     FROM rollouts ro
     JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
-        AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
+        AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at){joins}
 ) AS a
 WHERE step = last_step AND step IN (candidate_step, incumbent_step)
 """
 
 
+ROLLOUT_RUNS_VIEW = rollout_runs_view()
+
+
 def upgrade() -> None:
     op.create_table(
         "rollouts",
-        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
-        sa.Column("policy", sa.String(length=256), nullable=False, comment="the policy"),
-        sa.Column("candidate_step", sa.Integer(), nullable=False, comment="the new step on trial"),
-        sa.Column(
-            "incumbent_step", sa.Integer(), nullable=False, comment="the step it would replace (0 = base)"
-        ),
-        sa.Column(
-            "fraction", sa.Float(), nullable=False, comment="share of new runs the candidate serves, 0-1"
-        ),
-        sa.Column("status", sa.String(length=16), nullable=False, comment="canary, promoted or rolled_back"),
-        sa.Column(
-            "decision",
-            sa.String(length=16),
-            nullable=True,
-            comment="the last look's outcome: continue, promote or rollback",
-        ),
-        sa.Column(
-            "decided_by", sa.String(length=16), nullable=True, comment="rule, or manual (rlproxy rollout)"
-        ),
-        sa.Column("reason", sa.Text(), nullable=True, comment="why, in words (the test and its numbers)"),
-        sa.Column(
+        column("id", sa.Integer(), nullable=False, autoincrement=True),
+        column("policy", sa.String(length=256), "the policy", nullable=False),
+        column("candidate_step", sa.Integer(), "the new step on trial", nullable=False),
+        column("incumbent_step", sa.Integer(), "the step it would replace (0 = base)", nullable=False),
+        column("fraction", sa.Float(), "share of new runs the candidate serves, 0-1", nullable=False),
+        column("status", sa.String(length=16), "canary, promoted or rolled_back", nullable=False),
+        column("decision", sa.String(length=16), "the last look's outcome: continue, promote or rollback"),
+        column("decided_by", sa.String(length=16), "rule, or manual (rlproxy rollout)"),
+        column("reason", sa.Text(), "why, in words (the test and its numbers)"),
+        column(
             "looks",
             sa.Integer(),
+            "looks the rule took (each spends alpha / looks)",
             nullable=False,
             server_default="0",
-            comment="looks the rule took (each spends alpha / looks)",
         ),
-        sa.Column("statistic", sa.String(length=16), nullable=True, comment="welch_t, paired_t or errors_z"),
-        sa.Column("stat_value", sa.Float(), nullable=True, comment="the statistic at the last look"),
-        sa.Column("p_value", sa.Float(), nullable=True, comment="its one-sided p-value"),
-        sa.Column(
-            "candidate_runs", sa.Integer(), nullable=True, comment="rewarded runs of the candidate arm"
-        ),
-        sa.Column(
-            "incumbent_runs", sa.Integer(), nullable=True, comment="rewarded runs of the incumbent arm"
-        ),
-        sa.Column("candidate_reward", sa.Float(), nullable=True, comment="mean reward, candidate arm"),
-        sa.Column("incumbent_reward", sa.Float(), nullable=True, comment="mean reward, incumbent arm"),
-        sa.Column(
+        column("statistic", sa.String(length=16), "welch_t, paired_t or errors_z"),
+        column("stat_value", sa.Float(), "the statistic at the last look"),
+        column("p_value", sa.Float(), "its one-sided p-value"),
+        column("candidate_runs", sa.Integer(), "rewarded runs of the candidate arm"),
+        column("incumbent_runs", sa.Integer(), "rewarded runs of the incumbent arm"),
+        column("candidate_reward", sa.Float(), "mean reward, candidate arm"),
+        column("incumbent_reward", sa.Float(), "mean reward, incumbent arm"),
+        column(
             "candidate_error_rate",
             sa.Float(),
-            nullable=True,
-            comment="share of the candidate's runs with a 5xx or a completion cut at its length",
+            "share of the candidate's runs with a 5xx or a completion cut at its length",
         ),
-        sa.Column("incumbent_error_rate", sa.Float(), nullable=True, comment="the same, incumbent arm"),
-        sa.Column(
-            "started_at",
-            sa.DateTime(timezone=True),
-            nullable=False,
-            comment="runs created from then on are assigned",
+        column("incumbent_error_rate", sa.Float(), "the same, incumbent arm"),
+        column(
+            "started_at", sa.DateTime(timezone=True), "runs created from then on are assigned", nullable=False
         ),
-        sa.Column("looked_at", sa.DateTime(timezone=True), nullable=True, comment="the last look"),
-        sa.Column(
-            "decided_at", sa.DateTime(timezone=True), nullable=True, comment="promoted or rolled back at"
-        ),
+        column("looked_at", sa.DateTime(timezone=True), "the last look"),
+        column("decided_at", sa.DateTime(timezone=True), "promoted or rolled back at"),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("policy", "candidate_step", name="uq_rollouts_policy_candidate"),
     )

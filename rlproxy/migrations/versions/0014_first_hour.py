@@ -22,11 +22,10 @@ down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-SQLITE_UNTAGGED = """
+UNTAGGED = """
 CREATE VIEW untagged AS
 SELECT c.id AS completion_id,
-       coalesce(c.response_id, json_extract(c.client_response, '$.id'), json_extract(c.response, '$.id'))
-         AS reply_id,
+       coalesce(c.response_id, {client_id}, {id}){sep}AS reply_id,
        c.created_at AS created_at, c.policy AS policy, c.policy_step AS policy_step,
        c.endpoint AS endpoint, c.status AS status, c.status_code AS status_code,
        c.finish_reason AS finish_reason, c.prompt_tokens AS prompt_tokens,
@@ -34,18 +33,14 @@ SELECT c.id AS completion_id,
 FROM completions AS c
 WHERE c.run_id IS NULL
 """
-
-PG_UNTAGGED = """
-CREATE VIEW untagged AS
-SELECT c.id AS completion_id,
-       coalesce(c.response_id, c.client_response::jsonb ->> 'id', c.response::jsonb ->> 'id') AS reply_id,
-       c.created_at AS created_at, c.policy AS policy, c.policy_step AS policy_step,
-       c.endpoint AS endpoint, c.status AS status, c.status_code AS status_code,
-       c.finish_reason AS finish_reason, c.prompt_tokens AS prompt_tokens,
-       c.completion_tokens AS completion_tokens, c.latency_ms AS latency_ms
-FROM completions AS c
-WHERE c.run_id IS NULL
-"""
+SQLITE_UNTAGGED = UNTAGGED.format(
+    client_id="json_extract(c.client_response, '$.id')",
+    id="json_extract(c.response, '$.id')",
+    sep="\n         ",
+)
+PG_UNTAGGED = UNTAGGED.format(
+    client_id="c.client_response::jsonb ->> 'id'", id="c.response::jsonb ->> 'id'", sep=" "
+)
 
 
 def upgrade() -> None:

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from rlproxy.migrations.columns import column
+
 revision: str = "0015"
 down_revision: str | None = "0014"
 branch_labels: str | Sequence[str] | None = None
@@ -30,50 +32,34 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.add_column(
         "runs",
-        sa.Column(
-            "branch_of",
-            sa.Integer(),
-            nullable=True,
-            comment="completions.id this sibling run answers again (NULL: an app's run)",
+        column(
+            "branch_of", sa.Integer(), "completions.id this sibling run answers again (NULL: an app's run)"
         ),
     )
     op.create_table(
         "sibling_groups",
-        sa.Column("id", sa.String(length=128), nullable=False, comment="the members' runs.group_id"),
-        sa.Column("completion_id", sa.Integer(), nullable=False, comment="the app's call it branched from"),
-        sa.Column("run_id", sa.String(length=128), nullable=True, comment="that call's run (NULL: untagged)"),
-        sa.Column(
-            "policy", sa.String(length=256), nullable=False, comment="policy that sampled every member"
-        ),
-        sa.Column("policy_step", sa.Integer(), nullable=True, comment="step that sampled them (0 = base)"),
-        sa.Column(
-            "k", sa.Integer(), nullable=False, comment="members, the app's answer included when with_original"
-        ),
-        sa.Column(
+        column("id", sa.String(length=128), "the members' runs.group_id", nullable=False),
+        column("completion_id", sa.Integer(), "the app's call it branched from", nullable=False),
+        column("run_id", sa.String(length=128), "that call's run (NULL: untagged)"),
+        column("policy", sa.String(length=256), "policy that sampled every member", nullable=False),
+        column("policy_step", sa.Integer(), "step that sampled them (0 = base)"),
+        column("k", sa.Integer(), "members, the app's answer included when with_original", nullable=False),
+        column(
             "with_original",
             sa.Boolean(),
+            "the app's answer is a member (false: its step was gone, K fresh answers)",
             nullable=False,
-            comment="the app's answer is a member (false: its step was gone, K fresh answers)",
         ),
-        sa.Column(
-            "reason",
-            sa.String(length=16),
-            nullable=False,
-            comment="new, alone or plateau (settings.siblings)",
-        ),
-        sa.Column("temperature", sa.Float(), nullable=True, comment="sampling temperature of the siblings"),
-        sa.Column(
-            "status", sa.String(length=16), nullable=False, comment="sampling, scoring, scored or failed"
-        ),
-        sa.Column("scorer", sa.String(length=32), nullable=True, comment="checks, url or judge (+checks)"),
-        sa.Column(
-            "attempts", sa.Integer(), server_default="0", nullable=False, comment="scorer calls made so far"
-        ),
-        sa.Column("error", sa.Text(), nullable=True, comment="why it failed (the last scorer error)"),
-        sa.Column("sampled_tokens", sa.Integer(), nullable=True, comment="tokens the siblings sampled"),
-        sa.Column("sample_ms", sa.Float(), nullable=True, comment="engine wall time of the siblings, ms"),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("scored_at", sa.DateTime(timezone=True), nullable=True),
+        column("reason", sa.String(length=16), "new, alone or plateau (settings.siblings)", nullable=False),
+        column("temperature", sa.Float(), "sampling temperature of the siblings"),
+        column("status", sa.String(length=16), "sampling, scoring, scored or failed", nullable=False),
+        column("scorer", sa.String(length=32), "checks, url or judge (+checks)"),
+        column("attempts", sa.Integer(), "scorer calls made so far", nullable=False, server_default="0"),
+        column("error", sa.Text(), "why it failed (the last scorer error)"),
+        column("sampled_tokens", sa.Integer(), "tokens the siblings sampled"),
+        column("sample_ms", sa.Float(), "engine wall time of the siblings, ms"),
+        column("created_at", sa.DateTime(timezone=True), nullable=False),
+        column("scored_at", sa.DateTime(timezone=True)),
         sa.ForeignKeyConstraint(["completion_id"], ["completions.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("completion_id", name="uq_sibling_groups_completion"),
@@ -81,32 +67,22 @@ def upgrade() -> None:
     op.create_index("ix_sibling_groups_status", "sibling_groups", ["status", "created_at"])
     op.create_table(
         "shadow_checks",
-        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
-        sa.Column("policy", sa.String(length=256), nullable=False),
-        sa.Column("candidate_step", sa.Integer(), nullable=False, comment="the new step"),
-        sa.Column(
-            "serving_step", sa.Integer(), nullable=False, comment="the step serving when it ran (0 = base)"
+        column("id", sa.Integer(), nullable=False, autoincrement=True),
+        column("policy", sa.String(length=256), nullable=False),
+        column("candidate_step", sa.Integer(), "the new step", nullable=False),
+        column("serving_step", sa.Integer(), "the step serving when it ran (0 = base)", nullable=False),
+        column(
+            "status", sa.String(length=16), "running, passed, failed (rolled back) or error", nullable=False
         ),
-        sa.Column(
-            "status",
-            sa.String(length=16),
-            nullable=False,
-            comment="running, passed, failed (rolled back) or error",
-        ),
-        sa.Column("prompts", sa.Integer(), nullable=True, comment="prompt pairs scored"),
-        sa.Column("candidate_score", sa.Float(), nullable=True, comment="mean score of the candidate"),
-        sa.Column("serving_score", sa.Float(), nullable=True, comment="mean score of the serving step"),
-        sa.Column("margin", sa.Float(), nullable=True, comment="shadow_margin in force"),
-        sa.Column("scorer", sa.String(length=32), nullable=True),
-        sa.Column(
-            "pairs",
-            sa.JSON(),
-            nullable=True,
-            comment='JSON list of {"completion_id", "candidate", "serving"} scores',
-        ),
-        sa.Column("reason", sa.Text(), nullable=True, comment="the decision in words"),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
+        column("prompts", sa.Integer(), "prompt pairs scored"),
+        column("candidate_score", sa.Float(), "mean score of the candidate"),
+        column("serving_score", sa.Float(), "mean score of the serving step"),
+        column("margin", sa.Float(), "shadow_margin in force"),
+        column("scorer", sa.String(length=32)),
+        column("pairs", sa.JSON(), 'JSON list of {"completion_id", "candidate", "serving"} scores'),
+        column("reason", sa.Text(), "the decision in words"),
+        column("created_at", sa.DateTime(timezone=True), nullable=False),
+        column("finished_at", sa.DateTime(timezone=True)),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("policy", "candidate_step", name="uq_shadow_checks_candidate"),
     )

@@ -12,6 +12,7 @@ by a scorer rather than rewarded by the app. The view is 0013's but for `r.branc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from importlib import import_module
 
 from alembic import op
 
@@ -20,28 +21,10 @@ down_revision: str | None = "0015"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-APPS_VIEW = """
-CREATE VIEW rollout_runs AS
-SELECT rollout_id, policy,
-    CASE WHEN step = candidate_step THEN 'candidate' ELSE 'incumbent' END AS arm,
-    step, run_id, group_id, reward, status, errored, created_at, completed_at
-FROM (
-    SELECT ro.id AS rollout_id, ro.policy AS policy, ro.candidate_step AS candidate_step,
-        ro.incumbent_step AS incumbent_step, r.id AS run_id, r.group_id AS group_id,
-        r.reward AS reward, r.status AS status, r.created_at AS created_at,
-        r.completed_at AS completed_at,
-        (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
-        (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
-        CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
-            AND (c.status_code >= 500 OR c.finish_reason = 'length'
-                OR CAST(c.response AS TEXT) LIKE '%<tool_call>%')) THEN 1 ELSE 0 END AS errored
-    FROM rollouts ro
-    JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
-        AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
-        AND r.branch_of IS NULL
-) AS a
-WHERE step = last_step AND step IN (candidate_step, incumbent_step)
-"""
+_0013 = import_module("rlproxy.migrations.versions.0013_rollouts")  # a module name that starts with a digit
+
+APPS_JOINS = "\n        AND r.branch_of IS NULL"
+APPS_VIEW = _0013.rollout_runs_view(APPS_JOINS)
 
 
 def upgrade() -> None:
@@ -50,7 +33,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    from importlib import import_module  # a module name that starts with a digit
-
     op.execute("DROP VIEW IF EXISTS rollout_runs")
-    op.execute(import_module("rlproxy.migrations.versions.0013_rollouts").ROLLOUT_RUNS_VIEW)
+    op.execute(_0013.ROLLOUT_RUNS_VIEW)

@@ -20,87 +20,60 @@ Create Date: 2026-12-07
 from __future__ import annotations
 
 from collections.abc import Sequence
+from importlib import import_module
 
 import sqlalchemy as sa
 from alembic import op
+
+from rlproxy.migrations.columns import JSON, column
 
 revision: str = "0017"
 down_revision: str | None = "0016"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-_VIEW = """
-CREATE VIEW rollout_runs AS
-SELECT rollout_id, policy,
-    CASE WHEN step = candidate_step THEN 'candidate' ELSE 'incumbent' END AS arm,
-    step, run_id, group_id, reward, status, errored, created_at, completed_at, key_id
-FROM (
-    SELECT ro.id AS rollout_id, ro.policy AS policy, ro.candidate_step AS candidate_step,
-        ro.incumbent_step AS incumbent_step, r.id AS run_id, r.group_id AS group_id,
-        r.reward AS reward, r.status AS status, r.created_at AS created_at,
-        r.completed_at AS completed_at, r.key_id AS key_id,
-        (SELECT MIN(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS step,
-        (SELECT MAX(c.policy_step) FROM completions c WHERE c.run_id = r.id) AS last_step,
-        CASE WHEN EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id
-            AND (c.status_code >= 500 OR c.finish_reason = 'length'
-                OR CAST(c.response AS TEXT) LIKE '%<tool_call>%')) THEN 1 ELSE 0 END AS errored
-    FROM rollouts ro
-    JOIN runs r ON r.policy = ro.policy AND r.created_at >= ro.started_at
-        AND (ro.decided_at IS NULL OR r.created_at < ro.decided_at)
-        AND r.branch_of IS NULL
-        AND NOT EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id AND {pinned} LIKE '%@%')
-) AS a
-WHERE step = last_step AND step IN (candidate_step, incumbent_step)
-"""
+_0016 = import_module("rlproxy.migrations.versions.0016_rollout_runs_apps_only")
+_PINNED_JOINS = (
+    "\n        AND NOT EXISTS (SELECT 1 FROM completions c WHERE c.run_id = r.id AND {pinned} LIKE '%@%')"
+)
+_VIEW = _0016._0013.rollout_runs_view(_0016.APPS_JOINS + _PINNED_JOINS, key_id=True)
 _PINNED = {"sqlite": "json_extract(c.request, '$.model')", "postgresql": "(c.request::jsonb ->> 'model')"}
 
 
 def upgrade() -> None:
     op.create_table(
         "keys",
-        sa.Column("id", sa.String(length=32), nullable=False, comment="public id, key_<hex>"),
-        sa.Column("name", sa.String(length=128), nullable=False, comment="the operator's name for the app"),
-        sa.Column(
-            "secret_hash", sa.String(length=64), nullable=False, comment="sha256 hex of the secret (rk-...)"
-        ),
-        sa.Column(
-            "policies",
-            sa.JSON(none_as_null=True),
-            nullable=True,
-            comment="JSON list of policies it may use; NULL: all",
-        ),
-        sa.Column("rpm", sa.Integer(), nullable=True, comment="requests per minute (NULL: no limit)"),
-        sa.Column("tpm", sa.Integer(), nullable=True, comment="tokens per minute (NULL: no limit)"),
-        sa.Column("max_streams", sa.Integer(), nullable=True, comment="streams in flight (NULL: no limit)"),
-        sa.Column("scorer_url", sa.Text(), nullable=True, comment="its own scorer for siblings (NULL: none)"),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True, comment="NULL: valid"),
-        sa.Column(
+        column("id", sa.String(length=32), "public id, key_<hex>", nullable=False),
+        column("name", sa.String(length=128), "the operator's name for the app", nullable=False),
+        column("secret_hash", sa.String(length=64), "sha256 hex of the secret (rk-...)", nullable=False),
+        column("policies", JSON, "JSON list of policies it may use; NULL: all"),
+        column("rpm", sa.Integer(), "requests per minute (NULL: no limit)"),
+        column("tpm", sa.Integer(), "tokens per minute (NULL: no limit)"),
+        column("max_streams", sa.Integer(), "streams in flight (NULL: no limit)"),
+        column("scorer_url", sa.Text(), "its own scorer for siblings (NULL: none)"),
+        column("created_at", sa.DateTime(timezone=True), nullable=False),
+        column("revoked_at", sa.DateTime(timezone=True), "NULL: valid"),
+        column(
             "last_used_at",
             sa.DateTime(timezone=True),
-            nullable=True,
-            comment="last request seen (updated once a minute at most per replica)",
+            "last request seen (updated once a minute at most per replica)",
         ),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("name"),
     )
     op.add_column(
         "runs",
-        sa.Column(
-            "key_id",
-            sa.String(length=32),
-            nullable=True,
-            comment="keys.id of the app that made it (NULL: the shared agents' key)",
+        column(
+            "key_id", sa.String(length=32), "keys.id of the app that made it (NULL: the shared agents' key)"
         ),
     )
     op.create_index("ix_runs_key_id", "runs", ["key_id"])
     op.add_column(
         "completions",
-        sa.Column(
+        column(
             "key_id",
             sa.String(length=32),
-            nullable=True,
-            comment="keys.id of the app that made the call (NULL: the shared agents' key)",
+            "keys.id of the app that made the call (NULL: the shared agents' key)",
         ),
     )
     op.execute("DROP VIEW IF EXISTS rollout_runs")
@@ -108,10 +81,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    from importlib import import_module
-
     op.execute("DROP VIEW IF EXISTS rollout_runs")
-    op.execute(import_module("rlproxy.migrations.versions.0016_rollout_runs_apps_only").APPS_VIEW)
+    op.execute(_0016.APPS_VIEW)
     op.drop_column("completions", "key_id")
     op.drop_index("ix_runs_key_id", table_name="runs")
     op.drop_column("runs", "key_id")
