@@ -608,7 +608,7 @@ class RolloutSettings(BaseModel):
     @classmethod
     def _rollout_modes(cls, value: str) -> str:
         # at validation only: storage sits above the settings, which import nothing of ours at load
-        from rlproxy.storage.rollout_rule import parse_modes
+        from rlproxy.storage.rollouts import parse_modes
 
         parse_modes(value)  # a ValueError names the bad entry
         return value

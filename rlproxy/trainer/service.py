@@ -226,7 +226,8 @@ class TrainerService:
         if self.config.train_threads:
             torch.set_num_threads(self.config.train_threads)
 
-    def _db(self) -> Any:
+    def db(self) -> Any:
+        """The store (its engine, created on first use)."""
         if self._engine is None:
             self._engine = create_engine(self.db_url)
         return self._engine
@@ -239,7 +240,7 @@ class TrainerService:
             if not held:  # another process builds a step (rlproxy sft): wait for its commit
                 return None
             await self._recover_locked()
-            engine = self._db()
+            engine = self.db()
             # canary rollouts: judge the open ones; a policy on trial trains again once it is decided
             on_trial = await self.rollouts.tick(self) if self.rollouts is not None else set()
 
@@ -361,7 +362,7 @@ class TrainerService:
         if tries >= NONFINITE_RETRIES:
             self._nonfinite.pop(key)
             culprits = nonfinite_groups(runs or []) or set(run_ids)  # issue 22: not the other groups
-            n = await mark_runs(self._db(), sorted(culprits), RunStatus.failed, StatusReason.nonfinite)
+            n = await mark_runs(self.db(), sorted(culprits), RunStatus.failed, StatusReason.nonfinite)
             log.warning(
                 "marked %d run(s) failed: %d non-finite steps in a row; %d other run(s) stay trainable",
                 n,
@@ -382,14 +383,14 @@ class TrainerService:
     async def _select_runs(self) -> list[RunData]:
         """The runs of the next step with their completions; runs with nothing usable become `failed`."""
         while groups := await self._select():
-            runs = await load_runs(self._db(), [rid for g in groups for rid in g.run_ids])
+            runs = await load_runs(self.db(), [rid for g in groups for rid in g.run_ids])
             hosted = [
                 r.run_id for r in runs if r.completions and all(c.source == "hosted" for c in r.completions)
             ]
             if (
                 hosted
             ):  # a hosted provider's text: SFT/distillation data (rlproxy sft --from-policy), not GRPO
-                n = await mark_runs(self._db(), hosted, RunStatus.skipped, StatusReason.hosted)
+                n = await mark_runs(self.db(), hosted, RunStatus.skipped, StatusReason.hosted)
                 self.hosted_skipped += n
                 self._hosted_since += n  # in the next step's metrics: data/hosted_runs_skipped
                 log.info(
@@ -407,7 +408,7 @@ class TrainerService:
                 return runs
             # rewarded, but nothing sampled was stored (errors only, or no completion): never trainable;
             # select again, so the groups' readiness and variance are judged without them
-            await mark_runs(self._db(), empty, RunStatus.failed, StatusReason.no_usable_completion)
+            await mark_runs(self.db(), empty, RunStatus.failed, StatusReason.no_usable_completion)
             log.warning("marked %d run(s) failed: no usable completion stored", len(empty))
         return []
 
@@ -418,15 +419,15 @@ class TrainerService:
         await self._ungroup()
         if self.judge is not None:  # rewards from the judge first: its groups then select like any other
             await self.judge.judge_ready(
-                self._db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout
+                self.db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout
             )
-        groups = await ready_groups(self._db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout)
+        groups = await ready_groups(self.db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout)
         if self.judge is not None:  # judge=always: app rewards wait until the judge has scored them
             groups = [g for g in groups if not self.judge.needs_judge(g.policy, g.sources)]
         flat = [g for g in groups if g.zero_variance]
         if flat:
             self._flat_groups += len(flat)  # counted in the next step's zero_variance_frac
-            n = await skip_groups(self._db(), flat)
+            n = await skip_groups(self.db(), flat)
             log.info(
                 "skipped %d zero-variance group(s) (%d runs): equal rewards carry no gradient", len(flat), n
             )
@@ -442,7 +443,7 @@ class TrainerService:
 
     async def _say_what_we_wait_for(self) -> None:
         """One log line each time the fullest waiting group changes: "waiting: group 3/8 of g-..."."""
-        found = await fullest_waiting_group(self._db())
+        found = await fullest_waiting_group(self.db())
         if found is not None and found != self._waiting_for:
             policy, group, n = found
             log.info(
@@ -455,7 +456,7 @@ class TrainerService:
         self._waiting_for = found
 
     async def _ungroup(self) -> None:
-        n = await ungroup_runs(self._db(), group_timeout=self.config.group_timeout)
+        n = await ungroup_runs(self.db(), group_timeout=self.config.group_timeout)
         if n:
             log.info(
                 "%d run(s) ungrouped: no other run of their group within group_timeout (%.0f s); %s",
@@ -472,7 +473,7 @@ class TrainerService:
         if self.config.singletons == "train" or now < self._next_notice:
             return
         self._next_notice = now + NOTICE_CHECK_EVERY  # counting every run's status is not free
-        notice = singleton_notice(await run_status_counts(self._db()))
+        notice = singleton_notice(await run_status_counts(self.db()))
         if notice:
             self._next_notice = now + NOTICE_EVERY
             log.warning(notice)
@@ -483,12 +484,12 @@ class TrainerService:
         if cfg.singletons != "train":
             return []
         # full batches first; a short one once its newest run has sat ungrouped another group_timeout
-        batch = await ungrouped_batch(self._db(), batch_size=cfg.singleton_batch, wait=2 * cfg.group_timeout)
+        batch = await ungrouped_batch(self.db(), batch_size=cfg.singleton_batch, wait=2 * cfg.group_timeout)
         if batch is None:
             return []
         if batch.zero_variance:
             self._flat_groups += 1  # counted in the next step's zero_variance_frac, like a flat group
-            n = await skip_groups(self._db(), [batch])
+            n = await skip_groups(self.db(), [batch])
             log.info("skipped a batch of %d ungrouped run(s): equal rewards carry no gradient", n)
             return []
         return [batch]
@@ -550,17 +551,17 @@ class TrainerService:
             # the shadow check: the adapter is loaded, nobody is served by it yet (ShadowPending: no
             # verdict, the step waits uncommitted); a step it stops commits with its rollback row first
             if self.shadow is not None:
-                shadow = await self.shadow.check(self._db(), policy, step, run_ids)
+                shadow = await self.shadow.check(self.db(), policy, step, run_ids)
                 if not shadow.serves:
                     reason = f"shadow: {shadow.reason}"
                     await shadow_store.reject_step(
-                        self._db(), policy=policy, step=step, serving=shadow.serving_step, reason=reason
+                        self.db(), policy=policy, step=step, serving=shadow.serving_step, reason=reason
                     )
             # a canary policy's rollout row exists before its step does (trainer/rollout.py)
             if self.rollouts is not None and (shadow is None or shadow.serves):
-                rollout = await self.rollouts.begin(self._db(), policy, step)
+                rollout = await self.rollouts.begin(self.db(), policy, step)
             await commit_step(
-                self._db(),
+                self.db(),
                 policy=policy,
                 step=step,
                 run_ids=run_ids,
@@ -581,7 +582,7 @@ class TrainerService:
             await publish_step(
                 saved,
                 commit,
-                engine=self._db(),
+                engine=self.db(),
                 config=self.config,
                 backend=self.backend,
                 on_publish=self.on_publish,
@@ -592,14 +593,14 @@ class TrainerService:
             )
         except StepConflict:
             if self.rollouts is not None and rollout is not None:
-                await self.rollouts.abort(self._db(), rollout)
+                await self.rollouts.abort(self.db(), rollout)
             self._learners.pop(policy, None)
             raise
         if shadow is not None and not shadow.serves:  # committed rolled back: never served
             log.warning("%s@%d rolled back by the shadow check: %s", policy, step, shadow.reason)
             await self.discard_rolled_back()
             return
-        serving = await self.rollouts.protect(self._db(), policy) if self.rollouts is not None else ()
+        serving = await self.rollouts.protect(self.db(), policy) if self.rollouts is not None else ()
         old = step - self.config.keep_checkpoints
         if old >= 1 and old not in serving:  # a canary's incumbent stays loaded (trainer/rollout.py)
             task = asyncio.create_task(
@@ -615,7 +616,7 @@ class TrainerService:
         rollouts = self.rollouts
 
         async def serving() -> tuple[int, ...]:
-            return tuple(await rollouts.protect(self._db(), policy))
+            return tuple(await rollouts.protect(self.db(), policy))
 
         return serving
 
@@ -634,7 +635,7 @@ class TrainerService:
         done = []
         for policy in await asyncio.to_thread(ckpt.checkpoint_policies, root):
             last = ckpt.latest_checkpoint(root, policy)
-            db_step = await latest_step(self._db(), policy)
+            db_step = await latest_step(self.db(), policy)
             if self.shadow is not None:
                 self.shadow.settled(policy, last.step if last is not None and last.step > db_step else None)
             if last is None or last.step <= db_step:
@@ -686,7 +687,7 @@ class TrainerService:
         """Delete the checkpoints of rolled-back steps (a canary's or the shadow check's), forget their
         paths, drop a learner holding their weights and unload their adapters (idempotent: a crash in
         between is finished next time); the (policy, step) cleaned."""
-        engine = self._db()
+        engine = self.db()
         done = []
         for policy, step, path in await rollout_store.rolled_back_adapters(engine):
             await asyncio.to_thread(ckpt.discard, ckpt.Checkpoint(policy, step, Path(path)))
