@@ -142,6 +142,13 @@ def _aware(t: datetime | None) -> datetime | None:
     return t.replace(tzinfo=UTC) if t is not None and t.tzinfo is None else t
 
 
+def group_ready(n: int, newest: datetime | None, group_size: int, cutoff: datetime) -> bool:
+    """A group is ready when it holds `group_size` runs, or its newest run is older than `cutoff`
+    (now - group_timeout: it waited long enough for the rest)."""
+    at = _aware(newest)
+    return n >= group_size or (at is not None and at <= cutoff)
+
+
 def _status_is(engine: AsyncEngine, status: RunStatus) -> Any:
     """`runs.status = status`, marked rare for SQLite's planner so that it walks a status index.
 
@@ -191,9 +198,8 @@ async def ready_groups(
         keys = [
             (r.policy, r.group_id, r.source, _aware(r.newest))
             for r in rows
-            if r.n >= group_size
-            or r.source == SIBLING  # a scored sibling group: every member was written and scored at once
-            or (_aware(r.newest) is not None and _aware(r.newest) <= cutoff)
+            # a scored sibling group: every member was written and scored at once
+            if r.source == SIBLING or group_ready(r.n, r.newest, group_size, cutoff)
         ]
         # one (policy, group) per poll, its longest waiting source first: a step's baseline is keyed by
         # the group id (trainer/batches.py), so its app and judge runs must not be in one step

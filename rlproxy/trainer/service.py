@@ -44,30 +44,21 @@ from rlproxy.storage.db import create_engine
 from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.leader import LeaderLock
 from rlproxy.storage.models import RunStatus
-from rlproxy.storage.overview import fullest_waiting_group
-from rlproxy.storage.queries import run_status_counts
 from rlproxy.storage.training import (
-    ReadyGroup,
     RunData,
     StatusReason,
     commit_step,
     forget_adapter_paths,
     latest_step,
-    load_runs,
     mark_runs,
-    ready_groups,
-    singleton_notice,
-    skip_groups,
-    ungroup_runs,
-    ungrouped_batch,
 )
 from rlproxy.trainer import checkpoint as ckpt
-from rlproxy.trainer.batches import usable
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.culprits import nonfinite_groups
 from rlproxy.trainer.model import load_policy, pick_device, train_dtype
 from rlproxy.trainer.publish import publish_step, unload_quietly
 from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
+from rlproxy.trainer.selection import Selection
 from rlproxy.trainer.shadow import Outcome, ShadowPending
 from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, step_columns, train_step
 
@@ -75,8 +66,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NONFINITE_RETRIES = 3  # the same runs giving a non-finite step this many times in a row are marked failed
-NOTICE_EVERY = 3600.0  # seconds between two warnings that most rewarded runs are ungrouped
-NOTICE_CHECK_EVERY = 60.0  # seconds between two counts of runs per status for that warning
 # Held from choosing a step number to committing it, by this service and by `rlproxy sft` (another
 # process): two writers of one store never build the same step. A LeaderLock: a file lock next to a
 # SQLite database, an advisory lock on PostgreSQL; a killed holder frees it.
@@ -125,7 +114,6 @@ class TrainerService:
         shadow: Any = None,
     ) -> None:
         self.config = config
-        self.siblings_weight = siblings_weight  # a sibling group's runs' weight in a step (docs/siblings.md)
         # step.train_step's stand-in, same signature: `rlproxy train --nproc N` runs a step on N ranks
         self.train_fn = train_fn
         self.judge = judge  # trainer/judge.py Judge: scores the groups waiting for it before each selection
@@ -149,11 +137,7 @@ class TrainerService:
         self.steps_skipped = 0  # steps not taken: loss or gradient not finite
         self._nonfinite: dict[frozenset[str], int] = {}
         self.last_metrics: dict[str, Any] | None = None
-        self._next_notice = 0.0  # time.monotonic() before which the singletons warning stays quiet
-        self._flat_groups = 0  # zero-variance groups skipped since the last committed step
-        self.hosted_skipped = 0  # runs a hosted upstream answered, skipped (never GRPO samples), in all
-        self._hosted_since = 0  # ... since the last committed step (its data/hosted_runs_skipped)
-        self._waiting_for: tuple[str, str, int] | None = None  # the fullest waiting group, logged on change
+        self.selection = Selection(config, self.db, judge, siblings_weight)  # the next step's runs
         # trackers named in report_to (a missing package is a ConfigError here, before serving starts)
         self.reporter = MetricsReporter(
             parse_report_to(config.report_to), config.metrics_log_dir, resolved_config(config)
@@ -168,7 +152,7 @@ class TrainerService:
         if await self.leader.try_acquire():
             log.info("leader: this process trains (%s)", self.leader.where)
             await self.recover()
-            await self._warn_singletons()
+            await self.selection.warn_singletons()
         self._task = asyncio.create_task(self._loop(), name="rlproxy-trainer")
 
     async def stop(self) -> None:
@@ -203,7 +187,7 @@ class TrainerService:
                 self._learners.clear()  # the leader's steps moved the weights on: reload from checkpoints
                 await self.leader.acquire()
                 await self.recover()
-                await self._warn_singletons()
+                await self.selection.warn_singletons()
             try:
                 metrics = await self.step_once()
             except asyncio.CancelledError:
@@ -245,7 +229,7 @@ class TrainerService:
             on_trial = await self.rollouts.tick(self) if self.rollouts is not None else set()
 
             # 1. select: ready groups of one policy; zero-variance groups are skipped, not trained
-            runs = await self._select_runs()
+            runs = await self.selection.runs()
             if not runs:
                 return None
             policy = runs[0].policy
@@ -276,9 +260,9 @@ class TrainerService:
                 )
                 if result.skipped:  # weights and optimizer untouched: nothing to save or publish
                     return await self._skipped(policy, run_ids, result, runs)
-                result.metrics.update(self._selection_metrics(result))
-                if self._hosted_since:  # hosted runs seen since the last step: said, not silently dropped
-                    result.metrics["data/hosted_runs_skipped"] = float(self._hosted_since)
+                result.metrics.update(self.selection.metrics(result))
+                if self.selection.hosted_since:  # hosted runs seen since the last step: said, not dropped
+                    result.metrics["data/hosted_runs_skipped"] = float(self.selection.hosted_since)
                 # 3. checkpoint: adapter + optimizer + trainer state, atomically, before any publishing
                 state = {
                     "run_ids": run_ids,
@@ -319,7 +303,7 @@ class TrainerService:
             except ShadowPending as exc:  # checkpoint kept, step uncommitted: the next poll's recovery
                 log.warning("%s", exc)  # checks it again (trainer/shadow.py)
                 return None
-            self._flat_groups = self._hosted_since = 0
+            self.selection.stepped()
             self._log_progress(policy, step, result, time.perf_counter() - t0)
             await self._report(policy, step, result)
             out = {"policy": policy, "step": step, "adapter_path": str(saved.path), **result.metrics}
@@ -379,120 +363,6 @@ class TrainerService:
                 len(run_ids),
             )
         return None
-
-    async def _select_runs(self) -> list[RunData]:
-        """The runs of the next step with their completions; runs with nothing usable become `failed`."""
-        while groups := await self._select():
-            runs = await load_runs(self.db(), [rid for g in groups for rid in g.run_ids])
-            hosted = [
-                r.run_id for r in runs if r.completions and all(c.source == "hosted" for c in r.completions)
-            ]
-            if (
-                hosted
-            ):  # a hosted provider's text: SFT/distillation data (rlproxy sft --from-policy), not GRPO
-                n = await mark_runs(self.db(), hosted, RunStatus.skipped, StatusReason.hosted)
-                self.hosted_skipped += n
-                self._hosted_since += n  # in the next step's metrics: data/hosted_runs_skipped
-                log.info(
-                    "skipped %d run(s) answered by a hosted upstream (no token ids: not GRPO samples; "
-                    "distill them with `rlproxy sft --from-policy`)",
-                    n,
-                )
-                runs = [r for r in runs if r.run_id not in set(hosted)]
-                if not runs:
-                    continue
-            empty = [r.run_id for r in runs if not any(usable(c) for c in r.completions)]
-            if not empty:
-                for r in runs:
-                    r.weight = self.siblings_weight if r.sibling else 1.0
-                return runs
-            # rewarded, but nothing sampled was stored (errors only, or no completion): never trainable;
-            # select again, so the groups' readiness and variance are judged without them
-            await mark_runs(self.db(), empty, RunStatus.failed, StatusReason.no_usable_completion)
-            log.warning("marked %d run(s) failed: no usable completion stored", len(empty))
-        return []
-
-    async def _select(self) -> list[ReadyGroup]:
-        cfg = self.config
-        # runs alone in their group past group_timeout leave `completed` first (status ungrouped), so
-        # the reads below only ever see runs younger than a timeout and groups waiting for a step
-        await self._ungroup()
-        if self.judge is not None:  # rewards from the judge first: its groups then select like any other
-            await self.judge.judge_ready(
-                self.db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout
-            )
-        groups = await ready_groups(self.db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout)
-        if self.judge is not None:  # judge=always: app rewards wait until the judge has scored them
-            groups = [g for g in groups if not self.judge.needs_judge(g.policy, g.sources)]
-        flat = [g for g in groups if g.zero_variance]
-        if flat:
-            self._flat_groups += len(flat)  # counted in the next step's zero_variance_frac
-            n = await skip_groups(self.db(), flat)
-            log.info(
-                "skipped %d zero-variance group(s) (%d runs): equal rewards carry no gradient", len(flat), n
-            )
-        groups = [g for g in groups if not g.zero_variance]
-        if not groups:
-            await self._say_what_we_wait_for()
-            return await self._ungrouped_batch()
-        mine = [g for g in groups if g.policy == groups[0].policy]
-        waited = (datetime.now(UTC) - mine[0].newest_at).total_seconds()
-        if len(mine) < cfg.groups_per_step and waited < cfg.group_timeout:
-            return await self._ungrouped_batch()  # wait for a full step, but not forever
-        return mine[: cfg.groups_per_step]
-
-    async def _say_what_we_wait_for(self) -> None:
-        """One log line each time the fullest waiting group changes: "waiting: group 3/8 of g-..."."""
-        found = await fullest_waiting_group(self.db())
-        if found is not None and found != self._waiting_for:
-            policy, group, n = found
-            log.info(
-                "waiting for rewarded runs: group %d/%d of %s (policy %s)",
-                n,
-                self.config.group_size,
-                group,
-                policy,
-            )
-        self._waiting_for = found
-
-    async def _ungroup(self) -> None:
-        n = await ungroup_runs(self.db(), group_timeout=self.config.group_timeout)
-        if n:
-            log.info(
-                "%d run(s) ungrouped: no other run of their group within group_timeout (%.0f s); %s",
-                n,
-                self.config.group_timeout,
-                "they train in batches" if self.config.singletons == "train" else "not trained",
-            )
-            await self._warn_singletons()
-
-    async def _warn_singletons(self) -> None:
-        """Warn (at most every NOTICE_EVERY seconds) when most rewarded runs are ungrouped, saying what
-        to set; not with singletons=train, which trains them."""
-        now = time.monotonic()
-        if self.config.singletons == "train" or now < self._next_notice:
-            return
-        self._next_notice = now + NOTICE_CHECK_EVERY  # counting every run's status is not free
-        notice = singleton_notice(await run_status_counts(self.db()))
-        if notice:
-            self._next_notice = now + NOTICE_EVERY
-            log.warning(notice)
-
-    async def _ungrouped_batch(self) -> list[ReadyGroup]:
-        """singletons=train: the next batch of ungrouped runs, trained against its own mean reward."""
-        cfg = self.config
-        if cfg.singletons != "train":
-            return []
-        # full batches first; a short one once its newest run has sat ungrouped another group_timeout
-        batch = await ungrouped_batch(self.db(), batch_size=cfg.singleton_batch, wait=2 * cfg.group_timeout)
-        if batch is None:
-            return []
-        if batch.zero_variance:
-            self._flat_groups += 1  # counted in the next step's zero_variance_frac, like a flat group
-            n = await skip_groups(self.db(), [batch])
-            log.info("skipped a batch of %d ungrouped run(s): equal rewards carry no gradient", n)
-            return []
-        return [batch]
 
     async def _learner(self, policy: str) -> Learner:
         if policy not in self._learners:
@@ -705,18 +575,6 @@ class TrainerService:
         return done
 
     # ------------------------------------------------------------------ feedback
-
-    def _selection_metrics(self, r: StepResult) -> dict[str, float]:
-        """What only the service knows: the zero-variance groups it skipped since the last step.
-
-        zero_variance_frac = (skipped groups + this step's equal-reward groups) / (skipped + this step's).
-        """
-        flat_here = r.metrics.get("reward/frac_zero_std", 0.0) * r.num_groups
-        seen = self._flat_groups + r.num_groups
-        return {
-            "reward/groups_skipped": float(self._flat_groups),
-            "reward/zero_variance_frac": (self._flat_groups + flat_here) / seen if seen else 0.0,
-        }
 
     def _log_progress(self, policy: str, step: int, r: StepResult, seconds: float) -> None:
         log.info("%s", progress_line(policy, step, r, seconds))

@@ -90,12 +90,12 @@ def test_step_columns_pick_and_sanitize() -> None:
 
 def test_zero_variance_frac_counts_skipped_groups(tmp_path: Path) -> None:
     svc = TrainerService(TrainerConfig(checkpoint_dir=str(tmp_path)), "sqlite+aiosqlite://", None)  # type: ignore[arg-type]
-    svc._flat_groups = 3  # skipped since the last step
+    svc.selection.flat_groups = 3  # skipped since the last step
     r = StepResult(2, 8, 100, 0.5, 0.1, {"reward/frac_zero_std": 0.5})  # and one equal-reward group trained
-    m = svc._selection_metrics(r)
+    m = svc.selection.metrics(r)
     assert m == {"reward/groups_skipped": 3.0, "reward/zero_variance_frac": 4 / 5}
-    svc._flat_groups = 0
-    assert svc._selection_metrics(StepResult(1, 4, 10, 0.5, 0.1, {}))["reward/zero_variance_frac"] == 0.0
+    svc.selection.flat_groups = 0
+    assert svc.selection.metrics(StepResult(1, 4, 10, 0.5, 0.1, {}))["reward/zero_variance_frac"] == 0.0
 
 
 def test_progress_line_keeps_the_precision() -> None:
