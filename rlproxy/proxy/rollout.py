@@ -24,6 +24,7 @@ join `/metrics` through `Metrics.registry`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
@@ -198,8 +199,6 @@ class RolloutService:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None

@@ -29,7 +29,7 @@ import enum
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -355,7 +355,7 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
         runs = {r.id: r for r in (await conn.execute(select(Run).where(Run.id.in_(run_ids)))).all()}
         comps = (
             await conn.execute(
-                select(Completion)
+                select(*(getattr(Completion, f.name) for f in fields(CompletionData)))
                 .join(Run, Run.id == Completion.run_id)
                 .where(Completion.run_id.in_(run_ids))
                 .where(Run.completed_at.is_(None) | (Completion.created_at <= Run.completed_at))
@@ -374,22 +374,8 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
         for rid in run_ids
         if rid in runs
     }
-    for c in comps:
-        out[c.run_id].completions.append(
-            CompletionData(
-                run_id=c.run_id,
-                seq=c.seq if c.seq is not None else 0,
-                policy_step=c.policy_step,
-                endpoint=c.endpoint,
-                request=c.request,
-                response=c.response,
-                prompt_token_ids=c.prompt_token_ids,
-                token_ids=c.token_ids,
-                logprobs=c.logprobs,
-                status=c.status,
-                source=c.source,
-            )
-        )
+    for c in comps:  # the columns of CompletionData's fields, by name
+        out[c.run_id].completions.append(CompletionData(**{**c._mapping, "seq": c.seq or 0}))
     return [out[rid] for rid in run_ids if rid in out]
 
 

@@ -23,6 +23,7 @@ and are trained again from the last committed weights.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -159,10 +160,8 @@ class TrainerService:
         """Stop polling; a step in progress finishes first (torch cannot be interrupted safely)."""
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         async with self._lock:  # wait for a step_once called from elsewhere
             for t in list(self._unloads):
@@ -431,21 +430,12 @@ class TrainerService:
             if self.rollouts is not None and (shadow is None or shadow.serves):
                 rollout = await self.rollouts.begin(self.db(), policy, step)
             await commit_step(
-                self.db(),
-                policy=policy,
-                step=step,
-                run_ids=run_ids,
-                adapter_path=str(saved.path),
-                started_at=started_at,
-                num_groups=result.num_groups,
-                num_tokens=result.num_tokens,
-                mean_reward=result.mean_reward,
-                loss=result.loss,
-                metrics=result.metrics,
-                config=resolved_config(self.config),
+                self.db(), policy=policy, step=step, run_ids=run_ids, adapter_path=str(saved.path),
+                started_at=started_at, num_groups=result.num_groups, num_tokens=result.num_tokens,
+                mean_reward=result.mean_reward, loss=result.loss, metrics=result.metrics,
+                config=resolved_config(self.config), run_segments=result.run_segments,
                 columns={**step_columns(result.metrics), "kind": kind},
-                run_segments=result.run_segments,
-            )
+            )  # fmt: skip
             return shadow is None or shadow.serves
 
         try:
