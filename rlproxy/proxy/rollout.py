@@ -24,7 +24,6 @@ join `/metrics` through `Metrics.registry`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
@@ -199,6 +198,5 @@ class RolloutService:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task])  # until it has ended (its CancelledError stays in it)
             self._task = None

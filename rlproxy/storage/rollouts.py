@@ -15,8 +15,6 @@ trainers from opening one candidate twice.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -25,8 +23,8 @@ from sqlalchemy import and_, delete, desc, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from rlproxy.storage.db import connect_write
 from rlproxy.storage.models import Rollout, RolloutStatus, TrainingStep
+from rlproxy.storage.training import _write  # one write transaction (BEGIN IMMEDIATE)
 
 
 @dataclass(frozen=True)
@@ -71,16 +69,6 @@ class PolicyRollouts:
     rejected: frozenset[int] = field(default_factory=frozenset)  # rolled-back steps, never served
     stable: int = 0  # the step every run gets outside a canary: newest not rejected, not on trial
     previous: int | None = None  # incumbent of the rollout that promoted `stable`: its runs finish on it
-
-
-@asynccontextmanager
-async def _write(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    conn = await connect_write(engine)
-    try:
-        async with conn.begin():
-            yield conn
-    finally:
-        await conn.close()
 
 
 def _now() -> datetime:

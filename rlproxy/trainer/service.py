@@ -23,7 +23,6 @@ and are trained again from the last committed weights.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -160,8 +159,7 @@ class TrainerService:
         """Stop polling; a step in progress finishes first (torch cannot be interrupted safely)."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task])  # until it has ended (its CancelledError stays in it)
             self._task = None
         async with self._lock:  # wait for a step_once called from elsewhere
             for t in list(self._unloads):
