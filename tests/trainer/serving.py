@@ -1,10 +1,13 @@
-"""A helper of the SFT and fork tests: `build_app` (what `rlproxy serve` runs) under uvicorn."""
+"""Helpers of the trainer's end-to-end tests: `build_app` (what `rlproxy serve` runs) under uvicorn, and
+`rows`, a read-only query of the store."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -30,3 +33,12 @@ async def serving(settings: Settings, backend: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 60)
+
+
+def rows(db: Path, sql: str) -> list[tuple]:
+    """The rows of a read-only `sql` on the SQLite store `db` (waits up to 30 s for a writer's lock)."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()

@@ -10,26 +10,18 @@ engine with the tiny model, under a real uvicorn server on a loopback port.
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from pathlib import Path
 
 import httpx
 import uvicorn
 from openai import AsyncOpenAI
+from serving import rows
 from support import free_port
 
 from rlproxy.compose import build_app
 from rlproxy.inference.embedded import EmbeddedBackend
 from rlproxy.settings import Settings
 from rlproxy.trainer.service import TrainerService
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 async def test_rewarded_groups_train_and_publish(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sqlite3
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from serving import serving
+from serving import rows, serving
 from support import free_port, make_lora
 
 from rlproxy.errors import ConfigError
@@ -29,14 +28,6 @@ from rlproxy.trainer.offline import fork_policy, init_policies, validate_adapter
 
 PROMPT = [{"role": "user", "content": "Name three colors."}]
 RLPROXY = str(Path(sys.executable).parent / "rlproxy")  # the installed command
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 async def greedy(client: AsyncOpenAI, model: str) -> tuple[str, str]:

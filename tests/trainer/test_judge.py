@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +20,7 @@ import httpx
 import pytest
 import uvicorn
 from openai import AsyncOpenAI
+from serving import rows
 from sqlalchemy import text
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -34,14 +34,6 @@ from rlproxy.settings import Settings
 from rlproxy.storage.training import ready_groups
 from rlproxy.trainer.judge import Judge, JudgeConfig
 from rlproxy.trainer.judge_prompt import JudgeOutputError, parse_scores, render_trajectory
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 async def wait_for(check, seconds: float = 120.0) -> None:

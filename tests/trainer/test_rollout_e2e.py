@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from serving import serving
+from serving import rows, serving
 from support import free_port
 
 from rlproxy.inference.embedded import EmbeddedBackend
@@ -29,14 +29,6 @@ from rlproxy.settings import Settings
 
 FRACTION = 0.3
 REWARD = {0: 0.5, 1: 0.9}  # P(reward 1) of the step that served the run; any other step: 0 (broken)
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 async def one_run(

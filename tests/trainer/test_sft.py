@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import random
-import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 from openai import AsyncOpenAI
 from oracle import Sample, collate, completion_logits
 from safetensors.torch import load_file
-from serving import serving
+from serving import rows, serving
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from support import ServerlessBackend, free_port
@@ -54,14 +53,6 @@ CHATS = [
     for i, w in enumerate(WORDS.split())
 ]
 SFT_LR = 1e-2  # the tiny random model memorizes 16 short answers in ~40 epochs at this rate (~10 s, 1 thread)
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 async def answers(

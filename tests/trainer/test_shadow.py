@@ -14,7 +14,6 @@ the retry; one that never answers: rolled back after scorer_max_attempts. The pa
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from serving import serving
+from serving import rows, serving
 from support import free_port
 
 import rlproxy.trainer.service as service_module
@@ -98,14 +97,6 @@ def _stand_in_step(
                     break
         model.eval()
     return StepResult(num_groups=1, num_runs=len(runs), num_tokens=1, mean_reward=0.5, loss=0.0, metrics={})
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 async def _wait(db: Path, sql: str, seconds: float = 120.0) -> list[tuple]:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
+from serving import rows
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -90,14 +90,6 @@ async def proxy(settings: Settings, backend: Any) -> AsyncIterator[tuple[str, An
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 60)
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 async def test_each_keys_siblings_go_to_its_own_scorer_and_stay_its_own(

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import httpx
 import pytest
 import uvicorn
 from openai import AsyncOpenAI
+from serving import rows
 from support import free_port
 
 from rlproxy.compose import build_app
@@ -40,14 +40,6 @@ VAL: dict[int, tuple[list[float], list[float]]] = {
 }
 AFTER = [0.5, 0.25]  # val runs served by adapter 3 after the last step: only in the `validation` view
 TRAIN = [[1.0, 0.0, 0.5, 0.0], [0.0, 0.25, 1.0, 1.0]]  # two groups of 4 per step
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 def _browser() -> tuple[str, str] | None:
