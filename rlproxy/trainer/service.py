@@ -1,10 +1,11 @@
 """TrainerService: the background loop that turns ready groups into published adapters.
 
-(Over 400 lines on purpose: select → train → save → load → commit → publish, plus crash recovery,
-is one ordering contract, and keeping it in one file lets a reader check it top to bottom.)
+(Over 400 lines on purpose: train → save → load → commit → publish, plus crash recovery, is one
+ordering contract, and keeping it in one file lets a reader check it top to bottom. Which runs a
+step trains is selection.py's.)
 
-    poll ──> lone runs past group_timeout -> `ungrouped` ──> select ready groups (skip zero-variance
-         ones; singletons=train: else a batch of ungrouped runs) ──> load their completions
+    poll ──> the next step's runs (selection.py: ready groups, zero-variance ones skipped, or a batch
+         of ungrouped runs with singletons=train; their completions)
          ──> [trainer thread] train_step ──> save checkpoint ──> backend.load_adapter("{policy}@{N}")
          ──> shadow check (shadow_prompts > 0: trainer/shadow.py; a step it stops commits rolled back)
          ──> commit (runs trained + training_steps row, one transaction) ──> on_publish(policy, N)
