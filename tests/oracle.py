@@ -72,6 +72,10 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.mask.sum().item())
 
+    @property
+    def completion_len(self) -> int:
+        return self.completion_ids.shape[1]
+
 
 def collate(samples: list[Sample], pad_id: int) -> Batch:
     B, P = len(samples), max(len(s.prompt_ids) for s in samples)
@@ -102,7 +106,7 @@ def micro_batches(samples: list[Sample], size: int, pad_id: int) -> list[Batch]:
 def completion_logits(model: Any, batch: Batch) -> Tensor:
     """Logits (B, C, V) at the positions that predict the sampled tokens (every sample run whole)."""
     device = next(model.parameters()).device
-    C = batch.completion_ids.shape[1]
+    C = batch.completion_len
     out = model(
         input_ids=batch.input_ids.to(device),
         attention_mask=batch.attention_mask.to(device),
