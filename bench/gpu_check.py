@@ -82,9 +82,10 @@ def trainer_part(model_dir: str, steps: int, out: Path, check: Checks) -> Path:
     """Part 1 on the device load_policy picks; returns the folder of the adapter it saved."""
     import torch
 
-    from rlproxy.trainer.batches import build_samples, collate
     from rlproxy.trainer.config import TrainerConfig
-    from rlproxy.trainer.model import load_policy, token_logprobs
+    from rlproxy.trainer.model import load_policy, row_logprobs
+    from rlproxy.trainer.rows import collate_rows
+    from rlproxy.trainer.segments import build_segments
     from rlproxy.trainer.step import make_optimizer, train_step
 
     cuda = torch.cuda.is_available()
@@ -104,21 +105,20 @@ def trainer_part(model_dir: str, steps: int, out: Path, check: Checks) -> Path:
 
         prompts, comps = token_data(len(tok))
         runs = partial(make_runs, prompts, comps)
-        samples, _ = build_samples(runs(None), {f"r{i}": 0.0 for i in range(B)}, tok, 4096)
-        batch = collate(samples, tok.pad_token_id)
-        batch.temperature = None  # the raw distribution: what the server stores by default
-        with torch.no_grad():
-            old = token_logprobs(model, batch).tolist()
+        segs, _ = build_segments(runs(None), {f"r{i}": 0.0 for i in range(B)}, tok, 4096, merge=False)
+        with torch.no_grad():  # the raw distribution (T = 1): what the server stores by default
+            raw = row_logprobs(model, collate_rows(segs, tok.pad_token_id))[1]
+        old = [x.tolist() for x in raw.split([s.num_trained for s in segs])]
 
-        # the shared-prompt path (off under checkpointing) against every sample whole
+        # one group's rows on their shared prompt (off under checkpointing) against every row whole
         results = []
         for shared in (True, False):
-            b = collate(samples, tok.pad_token_id)
+            rows = collate_rows(segs[:GROUP], tok.pad_token_id)  # a group's rows share its prompt
             if not shared:
-                b.prompt_ids = None
+                rows.shared = 0  # every row whole
             model.zero_grad()
-            logp = token_logprobs(model, b)
-            (logp * b.mask).sum().backward()
+            logp = row_logprobs(model, rows)[0]
+            logp.sum().backward()
             grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
             results.append((logp.detach(), grads))
         (lp1, g1), (lp2, g2) = results

@@ -80,9 +80,10 @@ def worker_ours(model_dir: str, steps: int, precision: str = "fp32") -> dict:
     import torch
 
     from rlproxy.storage.training import CompletionData, RunData
-    from rlproxy.trainer.batches import build_samples, collate
     from rlproxy.trainer.config import TrainerConfig
-    from rlproxy.trainer.model import load_policy, token_logprobs
+    from rlproxy.trainer.model import load_policy, row_logprobs
+    from rlproxy.trainer.rows import collate_rows
+    from rlproxy.trainer.segments import build_segments
     from rlproxy.trainer.step import make_optimizer, train_step
 
     cfg = TrainerConfig(
@@ -109,9 +110,10 @@ def worker_ours(model_dir: str, steps: int, precision: str = "fp32") -> dict:
         return out
 
     # the sampling logprobs the serving engine would have stored (not timed)
-    samples, _ = build_samples(runs(None), {f"r{i}": 0.0 for i in range(B)}, tok, 4096)
+    segs, _ = build_segments(runs(None), {f"r{i}": 0.0 for i in range(B)}, tok, 4096, merge=False)
     with torch.no_grad():
-        old = token_logprobs(model, collate(samples, tok.pad_token_id)).tolist()
+        logp = row_logprobs(model, collate_rows(segs, tok.pad_token_id))[0]
+    old = [x.tolist() for x in logp.split([s.num_trained for s in segs])]
     data = runs(old)
     times, cpu = [], []
     for i in range(steps + 1):

@@ -101,9 +101,10 @@ def worker(model_dir: str, steps: int, path: str, micro_batch_tokens: int | None
     import torch
 
     from rlproxy.storage.training import CompletionData, RunData
-    from rlproxy.trainer.batches import build_samples, collate
     from rlproxy.trainer.config import TrainerConfig
-    from rlproxy.trainer.model import load_policy, token_logprobs
+    from rlproxy.trainer.model import load_policy, row_logprobs
+    from rlproxy.trainer.rows import collate_rows
+    from rlproxy.trainer.segments import build_segments
     from rlproxy.trainer.step import make_optimizer, train_step
 
     new = path in ("new", "new-bf16")
@@ -131,9 +132,9 @@ def worker(model_dir: str, steps: int, path: str, micro_batch_tokens: int | None
             probe = RunData(
                 "x", "g", "p", 0.0, [CompletionData("x", 0, 0, None, None, None, prompt, [sampled], None)]
             )
-            samples, _ = build_samples([probe], {"x": 0.0}, tok, 4096)
+            segs, _ = build_segments([probe], {"x": 0.0}, tok, 4096)
             with torch.no_grad():  # the sampling logprobs the serving engine would have stored (not timed)
-                lp = token_logprobs(model, collate(samples, tok.pad_token_id))[0].tolist()
+                lp = row_logprobs(model, collate_rows(segs, tok.pad_token_id))[0].tolist()
             req = {"temperature": 0.7, "max_tokens": 32}
             comps.append(
                 CompletionData(f"r{i}", seq, 0, "chat.completions", req, None, prompt, [sampled], [lp])

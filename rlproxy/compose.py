@@ -60,7 +60,7 @@ from rlproxy.proxy.rollout import RolloutService, Router
 from rlproxy.settings import JudgeSettings, Settings
 from rlproxy.storage import queries
 from rlproxy.storage.db import normalize_url
-from rlproxy.storage.rollout_rule import parse_modes
+from rlproxy.storage.rollouts import parse_modes
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.judge import Judge, JudgeConfig
 

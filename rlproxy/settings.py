@@ -30,6 +30,7 @@ TRACKERS: dict[str, str] = {
     "wandb": "wandb",
     "mlflow": "mlflow",
 }  # name -> module
+LossKind = Literal["grpo", "dr_grpo", "dapo", "gspo"]  # the policy-gradient losses (trainer/losses.py)
 
 
 def parse_report_to(value: str | None) -> list[str]:
@@ -385,7 +386,7 @@ class TrainerSettings(BaseModel):
         "newest has waited another group_timeout)",
     )
     # advantages and loss
-    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field("grpo", description="policy-gradient loss")
+    loss: LossKind = Field("grpo", description="policy-gradient loss")
     scale_rewards: Literal["group", "none"] = Field(
         "group", description="divide advantages by the group's reward std (group) or not (none)"
     )
@@ -607,7 +608,7 @@ class RolloutSettings(BaseModel):
     @classmethod
     def _rollout_modes(cls, value: str) -> str:
         # at validation only: storage sits above the settings, which import nothing of ours at load
-        from rlproxy.storage.rollout_rule import parse_modes
+        from rlproxy.storage.rollouts import parse_modes
 
         parse_modes(value)  # a ValueError names the bad entry
         return value

@@ -34,7 +34,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from rlproxy.errors import RLProxyError
 from rlproxy.inference.backend import adapter_name
 from rlproxy.storage import rollouts as store
-from rlproxy.storage.rollout_rule import mode_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class Router:
 
     def canary(self, policy: str) -> bool:
         """Whether `policy` rolls out new steps by canary."""
-        return mode_of(self.modes, policy) == "canary"
+        return store.mode_of(self.modes, policy) == "canary"
 
     def route(self, policy: str, step: int, run_id: str | None) -> int:
         """The step that serves this request of `policy`, whose newest loaded step is `step`."""
@@ -199,8 +198,5 @@ class RolloutService:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait([self._task])  # until it has ended (its CancelledError stays in it)
             self._task = None

@@ -29,7 +29,7 @@ from sqlalchemy import case, func, select, update
 
 from rlproxy.storage.db import pg_text
 from rlproxy.storage.models import Completion, Run, RunStatus
-from rlproxy.storage.training import _aware, _status_is, _write
+from rlproxy.storage.training import _aware, _status_is, _write, group_ready
 
 
 @dataclass
@@ -117,7 +117,7 @@ async def judge_groups(
             if not (r.waiting or (always and r.unjudged)):
                 continue
             n, at = (r.n, _aware(r.newest)) if always else (r.n_judged, _aware(r.newest_judged))
-            if n >= group_size or (at is not None and at <= cutoff):
+            if group_ready(n, at, group_size, cutoff):
                 keys.append((at or now, r.policy, r.group_id, always))
         keys.sort(key=lambda k: k[0])
         groups = []

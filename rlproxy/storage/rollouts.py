@@ -24,8 +24,30 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from rlproxy.storage.db import write_transaction
 from rlproxy.storage.models import Rollout, RolloutStatus, TrainingStep, utcnow
-from rlproxy.storage.rollout_rule import ArmRun, Verdict
 from rlproxy.storage.times import iso
+
+
+@dataclass(frozen=True)
+class ArmRun:
+    """One run of an arm: its group, its reward (None: not rewarded yet), whether it errored."""
+
+    group_id: str | None
+    reward: float | None
+    errored: bool = False
+    key_id: str | None = None  # the app key that made it (None: the shared agents' key)
+
+
+@dataclass
+class Verdict:
+    """The outcome of one look (or of no look: `look` 0 while collecting)."""
+
+    decision: str  # continue | promote | rollback
+    reason: str
+    look: int = 0
+    statistic: str | None = None  # welch_t | paired_t | errors_z
+    value: float | None = None  # the statistic
+    p_value: float | None = None  # one-sided, in the direction of the decision (p(up) otherwise)
+    stats: dict[str, float] = field(default_factory=dict)  # per arm: runs, reward, error rate
 
 
 @dataclass(frozen=True)
@@ -275,3 +297,29 @@ async def step_paths(engine: AsyncEngine, policy: str, steps: list[int]) -> dict
     )
     async with engine.connect() as conn:
         return {int(s): p for s, p in (await conn.execute(q)).all()}
+
+
+# ------------------------------------------------------------------ modes (the `rollout` setting)
+
+MODES = ("immediate", "canary")
+
+
+def parse_modes(spec: str) -> dict[str, str]:
+    """`rollout` setting -> {policy or "*": mode}: `"canary"` = {"*": "canary"};
+    `"agent=canary,*=immediate"` per policy. Raises ValueError on an unknown mode or a bad entry."""
+    out: dict[str, str] = {}
+    for item in (spec or "immediate").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, mode = item.rpartition("=") if "=" in item else ("*", "=", item)
+        name, mode = name.strip(), mode.strip()
+        if not sep or not name or mode not in MODES:
+            raise ValueError(f"rollout entry {item!r}: want immediate, canary or policy=immediate|canary")
+        out[name] = mode
+    return out
+
+
+def mode_of(modes: dict[str, str], policy: str) -> str:
+    """The rollout mode of `policy` (its own entry, else `*`, else immediate)."""
+    return modes.get(policy, modes.get("*", "immediate"))

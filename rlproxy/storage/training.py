@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -125,6 +125,13 @@ class RunData:
     weight: float = 1.0  # its advantage's multiplier in a step (a sibling's: siblings_weight)
 
 
+def group_ready(n: int, newest: datetime | None, group_size: int, cutoff: datetime) -> bool:
+    """A group is ready when it holds `group_size` runs, or its newest run is older than `cutoff`
+    (now - group_timeout: it waited long enough for the rest)."""
+    at = _aware(newest)
+    return n >= group_size or (at is not None and at <= cutoff)
+
+
 def _status_is(engine: AsyncEngine, status: RunStatus) -> Any:
     """`runs.status = status`, marked rare for SQLite's planner so that it walks a status index.
 
@@ -174,9 +181,8 @@ async def ready_groups(
         keys = [
             (r.policy, r.group_id, r.source, _aware(r.newest))
             for r in rows
-            if r.n >= group_size
-            or r.source == SIBLING  # a scored sibling group: every member was written and scored at once
-            or (_aware(r.newest) is not None and _aware(r.newest) <= cutoff)
+            # a scored sibling group: every member was written and scored at once
+            if r.source == SIBLING or group_ready(r.n, r.newest, group_size, cutoff)
         ]
         # one (policy, group) per poll, its longest waiting source first: a step's baseline is keyed by
         # the group id (trainer/batches.py), so its app and judge runs must not be in one step
@@ -332,7 +338,7 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
         runs = {r.id: r for r in (await conn.execute(select(Run).where(Run.id.in_(run_ids)))).all()}
         comps = (
             await conn.execute(
-                select(Completion)
+                select(*(getattr(Completion, f.name) for f in fields(CompletionData)))
                 .join(Run, Run.id == Completion.run_id)
                 .where(Completion.run_id.in_(run_ids))
                 .where(Run.completed_at.is_(None) | (Completion.created_at <= Run.completed_at))
@@ -351,22 +357,8 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
         for rid in run_ids
         if rid in runs
     }
-    for c in comps:
-        out[c.run_id].completions.append(
-            CompletionData(
-                run_id=c.run_id,
-                seq=c.seq if c.seq is not None else 0,
-                policy_step=c.policy_step,
-                endpoint=c.endpoint,
-                request=c.request,
-                response=c.response,
-                prompt_token_ids=c.prompt_token_ids,
-                token_ids=c.token_ids,
-                logprobs=c.logprobs,
-                status=c.status,
-                source=c.source,
-            )
-        )
+    for c in comps:  # the columns of CompletionData's fields, by name
+        out[c.run_id].completions.append(CompletionData(**{**c._mapping, "seq": c.seq or 0}))
     return [out[rid] for rid in run_ids if rid in out]
 
 

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,23 +69,18 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def save_checkpoint(
-    root: str | Path,
-    policy: str,
-    step: int,
-    model: Any,
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
+def _write_step(
+    root: str | Path, policy: str, step: int, state: dict[str, Any], fill: Callable[[Path], None]
 ) -> Checkpoint:
-    """Write checkpoint `step` of `policy` atomically; returns it. Fails if that step already exists."""
+    """Checkpoint `step` of `policy`, atomically: `fill` writes the adapter into a temporary folder,
+    then `state` and a rename. Fails if that step already exists."""
     final = step_dir(root, policy, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
         raise TrainerError(f"checkpoint {final} already exists; refusing to overwrite a published adapter")
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:04d}-", dir=final.parent))
     try:
-        model.save_pretrained(str(tmp))
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        fill(tmp)
         state = {**state, "policy": policy, "step": step}
         # STATE_FILE last: a folder with it is complete even before the rename (belt and braces)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
@@ -98,6 +93,23 @@ def save_checkpoint(
     return Checkpoint(policy, step, final)
 
 
+def save_checkpoint(
+    root: str | Path,
+    policy: str,
+    step: int,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+) -> Checkpoint:
+    """Write checkpoint `step` of `policy` atomically; returns it. Fails if that step already exists."""
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(str(tmp))
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+
+    return _write_step(root, policy, step, state, fill)
+
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", OPTIMIZER_FILE)
 
 
@@ -107,24 +119,13 @@ def copy_checkpoint(
     """Checkpoint `step` of `policy` made from the adapter folder `src` (a fork's or `--init-adapter`'s):
     its adapter files (and optimizer.pt when there is one) plus `state`, written atomically like
     `save_checkpoint`. Fails if that step already exists."""
-    final = step_dir(root, policy, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        raise TrainerError(f"checkpoint {final} already exists; refusing to overwrite a published adapter")
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:04d}-", dir=final.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         for name in ADAPTER_FILES:
             if (Path(src) / name).is_file():
                 shutil.copy2(Path(src) / name, tmp / name)
-        (tmp / STATE_FILE).write_text(
-            json.dumps({**state, "policy": policy, "step": step}, indent=1, default=str)
-        )
-        _fsync_tree(tmp)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return Checkpoint(policy, step, final)
+
+    return _write_step(root, policy, step, state, fill)
 
 
 def list_checkpoints(root: str | Path, policy: str) -> list[Checkpoint]:

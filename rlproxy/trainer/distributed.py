@@ -33,7 +33,7 @@ import logging
 import os
 import signal
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,13 +41,11 @@ import torch.distributed as dist
 from rlproxy.errors import TrainerError
 from rlproxy.storage.training import RunData
 from rlproxy.trainer import checkpoint as ckpt
-from rlproxy.trainer.batches import Sample, baseline_group
+from rlproxy.trainer.batches import baseline_group
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.model import load_policy, trainable_parameters
 from rlproxy.trainer.segments import Segment
 from rlproxy.trainer.step import make_optimizer, train_step
-
-Unit = TypeVar("Unit", Sample, Segment)  # what a rank trains: per-call samples or merged segments
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +64,7 @@ class Ranks:
     def leader(self) -> bool:
         return self.rank == 0
 
-    def share(self, samples: list[Unit], runs: list[RunData]) -> list[Unit]:
+    def share(self, samples: list[Segment], runs: list[RunData]) -> list[Segment]:
         """This rank's samples of the step (see `share`)."""
         return share(samples, runs, self.rank, self.world)
 
@@ -99,13 +97,13 @@ class Ranks:
         )
 
 
-def share(samples: list[Unit], runs: list[RunData], rank: int, world: int) -> list[Unit]:
+def share(samples: list[Segment], runs: list[RunData], rank: int, world: int) -> list[Segment]:
     """The samples rank `rank` of `world` trains on: whole groups when there are at least `world` of
     them (their samples share a prompt, which a micro-batch runs once), else single samples; each unit
     to the rank with the fewest tokens so far, longest first (LPT). Every rank computes the same split.
     """
     group_of = {r.run_id: baseline_group(r) for r in runs}
-    units: dict[Any, list[Unit]] = {}
+    units: dict[Any, list[Segment]] = {}
     for s in samples:
         units.setdefault(group_of[s.run_id], []).append(s)
     parts = list(units.values()) if len(units) >= world else [[s] for s in samples]

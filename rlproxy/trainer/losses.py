@@ -9,28 +9,28 @@ Read top to bottom, like the papers:
     surrogate       l_t = -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A)
     dual clip       l_t = min(l_t, -C A) where A < 0   (C = ratio_cap: stale samples cannot take C x the step)
     KL (k3)         kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (Schulman's k3, >= 0)
-    entropy         H_t = -sum_v pi(v) log pi(v) at each sampled position (a metric: collapse shows here)
     per token       l_t + beta kl_t
-    aggregation     grpo    mean over sequences of the per-sequence token mean
+    loss            sum_t w_t l_t (token_policy_loss), the weights w_t set when the batch is built
+                    (segments.assign_weights), so that the sum is each loss's aggregation:
+                    grpo    mean over sequences of the per-sequence token mean
                     dr_grpo sum over all tokens / (sequences * max_len)  (max_len a constant: no length bias)
                     dapo    mean over all tokens of the batch (long answers weigh by their length)
                     gspo    mean over sequences (the ratio is already per sequence)
-    per token       token_policy_loss: sum_t w_t l_t, the weights w_t set when the batch is built
-                    (segments.assign_weights), which is how train_step aggregates merged segments
 
-Shapes: `B` sequences, `T` completion positions; `mask` is 1.0 on sampled tokens, 0.0 on padding.
+Shapes: `N` trained tokens of a step's micro-batch, flat; `R` runs.
 Nothing here knows about models, batches or storage; tests/trainer/test_losses.py checks exact numbers.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-LossKind = Literal["grpo", "dr_grpo", "dapo", "gspo"]
+from rlproxy.settings import LossKind  # the one list of loss names (the `loss` setting's)
+
 ADV_EPS = 1e-4  # TRL's epsilon: keeps A finite when a group's std is tiny
 ZERO_STD = 1e-6  # below this a group's rewards count as all equal
 ADV_MAX = 1e6  # scale_rewards=none: the largest |advantage| kept as is (float32 holds it exactly enough)
@@ -61,29 +61,6 @@ def sampled_logprobs(logits: Tensor, targets: Tensor, temperature: Tensor | None
     if temperature is not None:
         logits = logits / temperature.to(logits).view(-1, 1, 1)
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def token_entropy(logits: Tensor, temperature: Tensor | None = None, chunk: int = 256) -> Tensor:
-    """Entropy (nats) of the tempered next-token distribution at each position: (B, C, V) -> (B, C).
-
-    A metric, without gradient, from the logits the loss already has: H = logsumexp(z) - E_pi[z].
-    Computed `chunk` positions at a time, so it never holds more than a few (chunk, V) float copies
-    (a whole (B, C, V) fp32 copy of a 150k vocabulary is gigabytes).
-    """
-    B, C, _ = logits.shape
-    out = torch.empty(B, C, dtype=torch.float32, device=logits.device)
-    with torch.no_grad():
-        for b in range(B):
-            t = None if temperature is None else float(temperature[b])
-            for c0 in range(0, C, chunk):
-                z = logits[b, c0 : c0 + chunk].float()  # (c, V)
-                if t is not None:
-                    z = z / t
-                lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (c, 1)
-                p = torch.exp(z - lse)
-                expected = torch.where(p > 0, p * z, 0.0).sum(-1)  # a -inf logit adds 0, not NaN
-                out[b, c0 : c0 + chunk] = lse.squeeze(-1) - expected
-    return out
 
 
 def behavior_logprobs(
@@ -147,102 +124,9 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of `x` over the positions where `mask` is 1 (along `dim`, or everything)."""
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1.0)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
-
-
-def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    ref_logp: Tensor | None,
-    adv: Tensor,
-    mask: Tensor,
-    kind: LossKind = "grpo",
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
-    max_len: int | None = None,
-    ratio_cap: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """The clipped surrogate loss of one batch and its metrics.
-
-    logp (B, T) current log-probs of the sampled tokens (with grad); old_logp (B, T) the sampling
-    log-probs stored with the completion; ref_logp (B, T) the base model's (only read when beta > 0);
-    adv (B,); mask (B, T). `max_len` is dr_grpo's constant normalizer (defaults to T). `ratio_cap` is
-    the dual-clip bound C > 1 (Ye et al. 2020): where A < 0 the loss is at most -C A, so a token whose
-    ratio exploded (a stale or mismatched sample) gets no gradient instead of ratio x the gradient.
-    The returned loss is the mean over *this* batch; `batch_weight` says how to sum micro-batches.
-    """
-    eps_low, eps_high = epsilon, epsilon if epsilon_high is None else epsilon_high
-    mask = mask.to(logp.dtype)
-    a = adv.to(logp.dtype).unsqueeze(1)  # (B, 1)
-
-    # log-ratio against the policy that sampled the tokens
-    log_ratio = (logp - old_logp) * mask  # (B, T), 0 on padding so exp() stays finite
-    if kind == "gspo":
-        # one ratio per sequence: the geometric mean of its token ratios (GSPO, Zheng et al. 2025)
-        log_ratio = masked_mean(log_ratio, mask, dim=1).unsqueeze(1)  # (B, 1)
-    ratio = torch.exp(log_ratio)
-
-    # clipped surrogate: never profit from moving the ratio outside [1 - eps_low, 1 + eps_high]
-    unclipped = ratio * a
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a
-    per_token = -torch.min(unclipped, clipped)  # (B, T) or (B, 1) for gspo
-
-    # dual clip: with A < 0 the surrogate is unbounded in the ratio; cap the loss at C |A|
-    if ratio_cap is not None:
-        per_token = torch.where(a < 0, torch.minimum(per_token, -ratio_cap * a), per_token)
-
-    # KL penalty towards the base model (k3), per token
-    kl = k3_kl(logp, ref_logp) if (beta > 0 and ref_logp is not None) else None
-    if kl is not None:
-        per_token = per_token + beta * kl
-
-    # aggregation: the one place the four losses differ
-    per_token = per_token.expand_as(logp)
-    if kind in ("grpo", "gspo"):
-        loss = masked_mean(per_token, mask, dim=1).mean()
-    elif kind == "dr_grpo":
-        loss = (per_token * mask).sum() / (logp.shape[0] * (max_len or logp.shape[1]))
-    elif kind == "dapo":
-        loss = masked_mean(per_token, mask)
-    else:
-        raise ValueError(f"unknown loss kind {kind!r}; use grpo, dr_grpo, dapo or gspo")
-
-    # metrics (token-weighted; cleanrl's approx KL = E[(rho - 1) - log rho])
-    with torch.no_grad():
-        r = ratio.expand_as(logp)
-        lr = log_ratio.expand_as(logp)
-        low = ((r < 1 - eps_low) & (a < 0)).to(logp.dtype)
-        high = ((r > 1 + eps_high) & (a > 0)).to(logp.dtype)
-        capped = (r > (ratio_cap or math.inf)) & (a < 0)
-        metrics = {
-            "loss/policy": loss.item(),
-            "kl/approx": approx_kl(lr, mask).item(),
-            "clip/low_frac": masked_mean(low, mask).item(),
-            "clip/high_frac": masked_mean(high, mask).item(),
-            "clip/frac": masked_mean(torch.maximum(low, high), mask).item(),
-            "clip/ratio_mean": masked_mean(r, mask).item(),
-            "clip/ratio_max": (r * mask).max().item(),
-            "clip/dual_frac": masked_mean(capped.to(logp.dtype), mask).item(),
-        }
-        if kl is not None:
-            metrics["kl/ref"] = masked_mean(kl, mask).item()
-    return loss, metrics
-
-
-def batch_weight(kind: LossKind, mask: Tensor, total_seqs: int, total_tokens: int) -> float:
-    """Weight of a micro-batch's loss so the accumulated gradient equals the full batch's.
-
-    Each micro-batch's loss is a mean over itself; summing `weight * loss` over micro-batches gives the
-    mean over the whole step: by sequences for grpo, dr_grpo, gspo; by tokens for dapo.
-    """
-    if kind == "dapo":
-        return float(mask.sum().item()) / max(total_tokens, 1)
-    return mask.shape[0] / max(total_seqs, 1)
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `x` over the positions where `mask` is 1 (0 when there are none)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def token_policy_loss(
@@ -260,7 +144,7 @@ def token_policy_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped surrogate over N trained tokens, each with its own weight: loss = sum_t w_t l_t.
 
-    The flat form of `policy_loss` for merged segments: logp, old_logp, ref_logp, adv, weight are (N,)
+    logp, old_logp, ref_logp, adv, weight are (N,)
     (one entry per trained token; adv is its run's advantage). The weights were decided when the batch
     was built (segments.assign_weights): summed over every micro-batch of the step they give the step's
     loss, so micro-batches are summed as they are. gspo: `ratio_group` (N,) numbers each token's ratio
@@ -288,8 +172,8 @@ def token_policy_loss(
     kl = k3_kl(logp, ref_logp) if (beta > 0 and ref_logp is not None) else None
     if kl is not None:
         per_token = per_token + beta * kl
-    if kind not in ("grpo", "dr_grpo", "dapo", "gspo"):
-        raise ValueError(f"unknown loss kind {kind!r}; use grpo, dr_grpo, dapo or gspo")
+    if kind not in get_args(LossKind):
+        raise ValueError(f"unknown loss kind {kind!r}; use one of {get_args(LossKind)}")
     loss = (per_token * weight.to(logp.dtype)).sum()
     with torch.no_grad():
         ones = torch.ones_like(logp)

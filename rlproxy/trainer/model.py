@@ -8,10 +8,8 @@ KL term is the same weights with the adapter switched off, so it costs no memory
 
 train_step runs `row_logprobs`: the decoder body on merged rows, then the LM head only at the
 positions that predict trained tokens, in chunks whose probabilities backward reuses within a byte
-budget (no (B, T, V) logits). The per-call
-`completion_logits` / `token_logprobs` (B, C, V) remain for the benches and the tests' per-call
-oracle; SFT (sft.py) runs `row_logprobs` too.
-This file is over 300 lines because it holds both forms of the one policy's forward.
+budget (no (B, T, V) logits); SFT (sft.py) runs `row_logprobs` too. (Over 400 lines: loading the
+policy and its one forward, with the step's shared prefixes and the chunked head's own backward.)
 """
 
 from __future__ import annotations
@@ -27,9 +25,7 @@ from torch import Tensor
 
 from rlproxy.errors import ModelError
 from rlproxy.inference.lora_fused import fuse_lora
-from rlproxy.trainer.batches import Batch
 from rlproxy.trainer.config import TrainerConfig
-from rlproxy.trainer.losses import sampled_logprobs
 from rlproxy.trainer.rows import Rows
 
 log = logging.getLogger(__name__)
@@ -175,75 +171,10 @@ def gradient_checkpointing(model: Any) -> bool:
     return False
 
 
-def completion_logits(model: Any, batch: Batch) -> Tensor:
-    """Logits (B, C, V) at the positions that predict the batch's sampled tokens.
-
-    When samples share a prompt (a group's runs start from the same task), each distinct prompt
-    runs once and its keys/values are fanned out to the samples that share it; the gradient flows
-    back through the fan-out, so the result and its gradient are the same as running every sample
-    whole, for (B - U) x P fewer token positions. Gradient checkpointing keeps no KV cache, so
-    with it every sample runs whole.
-    """
-    if batch.shared_prompts and batch.completion_len > 1 and not gradient_checkpointing(model):
-        return _shared_prompt_logits(model, batch)
-    device = next(model.parameters()).device
-    C = batch.completion_len
-    out = model(
-        input_ids=batch.input_ids.to(device),
-        attention_mask=batch.attention_mask.to(device),
-        position_ids=batch.position_ids.to(device),
-        logits_to_keep=C + 1,  # the prompt's logits are never needed (the LM head is costly)
-        use_cache=False,
-    )
-    return out.logits[:, :-1, :]  # (B, C, V): position P-1+t predicts completion token t
-
-
-def _shared_prompt_logits(model: Any, batch: Batch) -> Tensor:
-    device = next(model.parameters()).device
-    P, C = batch.prompt_ids.shape[1], batch.completion_len
-    index = batch.prompt_index.to(device)
-    prompt_mask = batch.prompt_mask.to(device)
-    # 1. each distinct prompt once: its keys/values, and the logits of its last token
-    first = model(
-        input_ids=batch.prompt_ids.to(device),
-        attention_mask=prompt_mask,
-        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
-        logits_to_keep=1,
-        use_cache=True,
-    )
-    kw = _cache_kwarg(model)
-    cache = getattr(first, kw)
-    cache.batch_select_indices(index)  # (U, ...) -> (B, ...), differentiable
-    # 2. the completions on top: token t (t < C - 1) is the input that predicts token t + 1
-    attention = torch.cat([prompt_mask[index], batch.mask[:, : C - 1].to(device, prompt_mask.dtype)], dim=1)
-    rest = model(
-        input_ids=batch.completion_ids[:, : C - 1].to(device),
-        attention_mask=attention,  # (B, P + C - 1)
-        position_ids=(attention.cumsum(-1) - 1)[:, P:].clamp(min=0),
-        **{kw: cache},
-        use_cache=True,
-    )
-    return torch.cat([first.logits[index, -1:, :], rest.logits], dim=1)  # (B, C, V)
-
-
 def _cache_kwarg(model: Any) -> str:
     # transformers renamed `past_key_values` to `cache` (the old name warns until 5.40)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
-def token_logprobs(model: Any, batch: Batch) -> Tensor:
-    """Log-probabilities (B, C) of the batch's sampled tokens, each sample's at its temperature."""
-    logits = completion_logits(model, batch)
-    return sampled_logprobs(logits, batch.completion_ids.to(logits.device), batch.temperature)
-
-
-@torch.no_grad()
-def reference_logprobs(model: Any, batch: Batch) -> Tensor:
-    """The base model's log-probabilities (adapter disabled) of the batch's sampled tokens (B, C)."""
-    ctx = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
-    with ctx:
-        return token_logprobs(model, batch)
 
 
 def trainable_parameters(model: Any) -> list[torch.nn.Parameter]:

@@ -6,7 +6,7 @@ route (proxy/rollout.py). In `TrainerService`:
 - publish: after the adapter is loaded and before the step commits, `begin` opens the rollout of a
   canary policy's new step (`abort` removes it when the commit loses: StepConflict). The incumbent's
   checkpoint and adapter are protected from pruning and unloading while it is open (`protect`).
-- every poll (`tick`): each open rollout's arms go through the rule (storage/rollout_rule.py); one
+- every poll (`tick`): each open rollout's arms go through the rule (trainer/rollout_rule.py); one
   look, one decision, written conditionally (storage/rollouts.py). A policy with an open rollout does
   not train: its next step waits for the verdict, so it is built from the step that won — the
   candidate once promoted, the incumbent after a rollback — never from a step on trial.
@@ -24,20 +24,31 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
+from rlproxy.settings import RolloutSettings
 from rlproxy.storage import rollouts as store
-from rlproxy.storage.rollout_rule import RuleConfig, decide, mode_of, parse_modes
+from rlproxy.storage.rollouts import mode_of, parse_modes
+from rlproxy.trainer.rollout_rule import decide
 
 log = logging.getLogger(__name__)
+
+
+class Trainer(Protocol):
+    """What the canary needs of the trainer (TrainerService): its store, and the clean-up of the
+    steps a decision rolled back (checkpoints, paths, a learner on their weights, adapters)."""
+
+    def db(self) -> Any: ...
+
+    async def discard_rolled_back(self) -> list[tuple[str, int]]: ...
 
 
 class RolloutController:
     """Opens, judges and cleans up the canary rollouts of the policies in canary mode."""
 
-    def __init__(self, modes: str | dict[str, str], fraction: float, rule: RuleConfig) -> None:
-        self.modes = parse_modes(modes) if isinstance(modes, str) else modes
-        self.fraction = fraction
+    def __init__(self, rule: RolloutSettings) -> None:
+        self.modes = parse_modes(rule.rollout)
+        self.fraction = rule.canary_fraction
         self.rule = rule
         self._last: dict[int, tuple[Any, ...]] = {}  # rollout id -> numbers last written (skip no-ops)
         self.decisions: list[tuple[str, int, str]] = []  # (policy, step, decision) taken here, newest last
@@ -74,9 +85,9 @@ class RolloutController:
             keep |= {snap.open.incumbent, snap.open.candidate}
         return tuple(s for s in keep if s > 0)
 
-    async def tick(self, service: Any) -> set[str]:
+    async def tick(self, trainer: Trainer) -> set[str]:
         """Judge every open rollout, clean up rolled-back steps; the policies whose rollout is still open."""
-        engine = service._db()
+        engine = trainer.db()
         still_open: set[str] = set()
         for row in await store.open_rollouts(engine):
             cand, inc = await store.arm_runs(engine, row["id"])
@@ -99,27 +110,11 @@ class RolloutController:
                         await self.on_decision()
             if verdict.decision == "continue":
                 still_open.add(row["policy"])
-        await self.clean(service)
+        await trainer.discard_rolled_back()
         return still_open
-
-    async def clean(self, service: Any) -> list[tuple[str, int]]:
-        """Delete what rolled-back steps left: the service's `discard_rolled_back` (checkpoints, paths,
-        a learner holding their weights, adapters)."""
-        return await service.discard_rolled_back()
 
 
 def controller_from(settings: Any) -> RolloutController | None:
     """The controller for these settings (a Settings object), or None when no policy is in canary mode."""
-    modes = parse_modes(settings.rollout)
-    if "canary" not in modes.values():
-        return None
-    rule = RuleConfig(
-        min_runs=settings.canary_min_runs,
-        looks=settings.canary_looks,
-        alpha=settings.canary_alpha,
-        min_pairs=settings.canary_min_pairs,
-        error_margin=settings.canary_error_margin,
-        inconclusive=settings.canary_inconclusive,
-        max_key_share=settings.canary_max_key_share,
-    )
-    return RolloutController(modes, settings.canary_fraction, rule)
+    rule = settings.group(RolloutSettings)
+    return RolloutController(rule) if "canary" in parse_modes(rule.rollout).values() else None

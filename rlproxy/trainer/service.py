@@ -1,10 +1,11 @@
 """TrainerService: the background loop that turns ready groups into published adapters.
 
-(Over 400 lines on purpose: select → train → save → load → commit → publish, plus crash recovery,
-is one ordering contract, and keeping it in one file lets a reader check it top to bottom.)
+(Over 400 lines on purpose: train → save → load → commit → publish, plus crash recovery, is one
+ordering contract, and keeping it in one file lets a reader check it top to bottom. Which runs a
+step trains is selection.py's.)
 
-    poll ──> lone runs past group_timeout -> `ungrouped` ──> select ready groups (skip zero-variance
-         ones; singletons=train: else a batch of ungrouped runs) ──> load their completions
+    poll ──> the next step's runs (selection.py: ready groups, zero-variance ones skipped, or a batch
+         of ungrouped runs with singletons=train; their completions)
          ──> [trainer thread] train_step ──> save checkpoint ──> backend.load_adapter("{policy}@{N}")
          ──> shadow check (shadow_prompts > 0: trainer/shadow.py; a step it stops commits rolled back)
          ──> commit (runs trained + training_steps row, one transaction) ──> on_publish(policy, N)
@@ -44,30 +45,21 @@ from rlproxy.storage.db import create_engine
 from rlproxy.storage.errors import StepConflict
 from rlproxy.storage.leader import LeaderLock
 from rlproxy.storage.models import RunStatus
-from rlproxy.storage.overview import fullest_waiting_group
-from rlproxy.storage.queries import run_status_counts
 from rlproxy.storage.training import (
-    ReadyGroup,
     RunData,
     StatusReason,
     commit_step,
     forget_adapter_paths,
     latest_step,
-    load_runs,
     mark_runs,
-    ready_groups,
-    singleton_notice,
-    skip_groups,
-    ungroup_runs,
-    ungrouped_batch,
 )
 from rlproxy.trainer import checkpoint as ckpt
-from rlproxy.trainer.batches import usable
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.culprits import nonfinite_groups
 from rlproxy.trainer.model import load_policy, pick_device, train_dtype
 from rlproxy.trainer.publish import publish_step, unload_quietly
 from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
+from rlproxy.trainer.selection import Selection
 from rlproxy.trainer.shadow import Outcome, ShadowPending
 from rlproxy.trainer.step import StaleRuns, StepResult, make_optimizer, step_columns, train_step
 
@@ -75,8 +67,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NONFINITE_RETRIES = 3  # the same runs giving a non-finite step this many times in a row are marked failed
-NOTICE_EVERY = 3600.0  # seconds between two warnings that most rewarded runs are ungrouped
-NOTICE_CHECK_EVERY = 60.0  # seconds between two counts of runs per status for that warning
 # Held from choosing a step number to committing it, by this service and by `rlproxy sft` (another
 # process): two writers of one store never build the same step. A LeaderLock: a file lock next to a
 # SQLite database, an advisory lock on PostgreSQL; a killed holder frees it.
@@ -125,7 +115,6 @@ class TrainerService:
         shadow: Any = None,
     ) -> None:
         self.config = config
-        self.siblings_weight = siblings_weight  # a sibling group's runs' weight in a step (docs/siblings.md)
         # step.train_step's stand-in, same signature: `rlproxy train --nproc N` runs a step on N ranks
         self.train_fn = train_fn
         self.judge = judge  # trainer/judge.py Judge: scores the groups waiting for it before each selection
@@ -149,11 +138,7 @@ class TrainerService:
         self.steps_skipped = 0  # steps not taken: loss or gradient not finite
         self._nonfinite: dict[frozenset[str], int] = {}
         self.last_metrics: dict[str, Any] | None = None
-        self._next_notice = 0.0  # time.monotonic() before which the singletons warning stays quiet
-        self._flat_groups = 0  # zero-variance groups skipped since the last committed step
-        self.hosted_skipped = 0  # runs a hosted upstream answered, skipped (never GRPO samples), in all
-        self._hosted_since = 0  # ... since the last committed step (its data/hosted_runs_skipped)
-        self._waiting_for: tuple[str, str, int] | None = None  # the fullest waiting group, logged on change
+        self.selection = Selection(config, self.db, judge, siblings_weight)  # the next step's runs
         # trackers named in report_to (a missing package is a ConfigError here, before serving starts)
         self.reporter = MetricsReporter(
             parse_report_to(config.report_to), config.metrics_log_dir, resolved_config(config)
@@ -168,17 +153,14 @@ class TrainerService:
         if await self.leader.try_acquire():
             log.info("leader: this process trains (%s)", self.leader.where)
             await self.recover()
-            await self._warn_singletons()
+            await self.selection.warn_singletons()
         self._task = asyncio.create_task(self._loop(), name="rlproxy-trainer")
 
     async def stop(self) -> None:
         """Stop polling; a step in progress finishes first (torch cannot be interrupted safely)."""
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait([self._task])  # until it has ended (its CancelledError stays in it)
             self._task = None
         async with self._lock:  # wait for a step_once called from elsewhere
             for t in list(self._unloads):
@@ -203,7 +185,7 @@ class TrainerService:
                 self._learners.clear()  # the leader's steps moved the weights on: reload from checkpoints
                 await self.leader.acquire()
                 await self.recover()
-                await self._warn_singletons()
+                await self.selection.warn_singletons()
             try:
                 metrics = await self.step_once()
             except asyncio.CancelledError:
@@ -226,7 +208,8 @@ class TrainerService:
         if self.config.train_threads:
             torch.set_num_threads(self.config.train_threads)
 
-    def _db(self) -> Any:
+    def db(self) -> Any:
+        """The store (its engine, created on first use)."""
         if self._engine is None:
             self._engine = create_engine(self.db_url)
         return self._engine
@@ -239,12 +222,12 @@ class TrainerService:
             if not held:  # another process builds a step (rlproxy sft): wait for its commit
                 return None
             await self._recover_locked()
-            engine = self._db()
+            engine = self.db()
             # canary rollouts: judge the open ones; a policy on trial trains again once it is decided
             on_trial = await self.rollouts.tick(self) if self.rollouts is not None else set()
 
             # 1. select: ready groups of one policy; zero-variance groups are skipped, not trained
-            runs = await self._select_runs()
+            runs = await self.selection.runs()
             if not runs:
                 return None
             policy = runs[0].policy
@@ -275,9 +258,9 @@ class TrainerService:
                 )
                 if result.skipped:  # weights and optimizer untouched: nothing to save or publish
                     return await self._skipped(policy, run_ids, result, runs)
-                result.metrics.update(self._selection_metrics(result))
-                if self._hosted_since:  # hosted runs seen since the last step: said, not silently dropped
-                    result.metrics["data/hosted_runs_skipped"] = float(self._hosted_since)
+                result.metrics.update(self.selection.metrics(result))
+                if self.selection.hosted_since:  # hosted runs seen since the last step: said, not dropped
+                    result.metrics["data/hosted_runs_skipped"] = float(self.selection.hosted_since)
                 # 3. checkpoint: adapter + optimizer + trainer state, atomically, before any publishing
                 state = {
                     "run_ids": run_ids,
@@ -318,7 +301,7 @@ class TrainerService:
             except ShadowPending as exc:  # checkpoint kept, step uncommitted: the next poll's recovery
                 log.warning("%s", exc)  # checks it again (trainer/shadow.py)
                 return None
-            self._flat_groups = self._hosted_since = 0
+            self.selection.stepped()
             self._log_progress(policy, step, result, time.perf_counter() - t0)
             await self._report(policy, step, result)
             out = {"policy": policy, "step": step, "adapter_path": str(saved.path), **result.metrics}
@@ -361,7 +344,7 @@ class TrainerService:
         if tries >= NONFINITE_RETRIES:
             self._nonfinite.pop(key)
             culprits = nonfinite_groups(runs or []) or set(run_ids)  # issue 22: not the other groups
-            n = await mark_runs(self._db(), sorted(culprits), RunStatus.failed, StatusReason.nonfinite)
+            n = await mark_runs(self.db(), sorted(culprits), RunStatus.failed, StatusReason.nonfinite)
             log.warning(
                 "marked %d run(s) failed: %d non-finite steps in a row; %d other run(s) stay trainable",
                 n,
@@ -378,120 +361,6 @@ class TrainerService:
                 len(run_ids),
             )
         return None
-
-    async def _select_runs(self) -> list[RunData]:
-        """The runs of the next step with their completions; runs with nothing usable become `failed`."""
-        while groups := await self._select():
-            runs = await load_runs(self._db(), [rid for g in groups for rid in g.run_ids])
-            hosted = [
-                r.run_id for r in runs if r.completions and all(c.source == "hosted" for c in r.completions)
-            ]
-            if (
-                hosted
-            ):  # a hosted provider's text: SFT/distillation data (rlproxy sft --from-policy), not GRPO
-                n = await mark_runs(self._db(), hosted, RunStatus.skipped, StatusReason.hosted)
-                self.hosted_skipped += n
-                self._hosted_since += n  # in the next step's metrics: data/hosted_runs_skipped
-                log.info(
-                    "skipped %d run(s) answered by a hosted upstream (no token ids: not GRPO samples; "
-                    "distill them with `rlproxy sft --from-policy`)",
-                    n,
-                )
-                runs = [r for r in runs if r.run_id not in set(hosted)]
-                if not runs:
-                    continue
-            empty = [r.run_id for r in runs if not any(usable(c) for c in r.completions)]
-            if not empty:
-                for r in runs:
-                    r.weight = self.siblings_weight if r.sibling else 1.0
-                return runs
-            # rewarded, but nothing sampled was stored (errors only, or no completion): never trainable;
-            # select again, so the groups' readiness and variance are judged without them
-            await mark_runs(self._db(), empty, RunStatus.failed, StatusReason.no_usable_completion)
-            log.warning("marked %d run(s) failed: no usable completion stored", len(empty))
-        return []
-
-    async def _select(self) -> list[ReadyGroup]:
-        cfg = self.config
-        # runs alone in their group past group_timeout leave `completed` first (status ungrouped), so
-        # the reads below only ever see runs younger than a timeout and groups waiting for a step
-        await self._ungroup()
-        if self.judge is not None:  # rewards from the judge first: its groups then select like any other
-            await self.judge.judge_ready(
-                self._db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout
-            )
-        groups = await ready_groups(self._db(), group_size=cfg.group_size, group_timeout=cfg.group_timeout)
-        if self.judge is not None:  # judge=always: app rewards wait until the judge has scored them
-            groups = [g for g in groups if not self.judge.needs_judge(g.policy, g.sources)]
-        flat = [g for g in groups if g.zero_variance]
-        if flat:
-            self._flat_groups += len(flat)  # counted in the next step's zero_variance_frac
-            n = await skip_groups(self._db(), flat)
-            log.info(
-                "skipped %d zero-variance group(s) (%d runs): equal rewards carry no gradient", len(flat), n
-            )
-        groups = [g for g in groups if not g.zero_variance]
-        if not groups:
-            await self._say_what_we_wait_for()
-            return await self._ungrouped_batch()
-        mine = [g for g in groups if g.policy == groups[0].policy]
-        waited = (datetime.now(UTC) - mine[0].newest_at).total_seconds()
-        if len(mine) < cfg.groups_per_step and waited < cfg.group_timeout:
-            return await self._ungrouped_batch()  # wait for a full step, but not forever
-        return mine[: cfg.groups_per_step]
-
-    async def _say_what_we_wait_for(self) -> None:
-        """One log line each time the fullest waiting group changes: "waiting: group 3/8 of g-..."."""
-        found = await fullest_waiting_group(self._db())
-        if found is not None and found != self._waiting_for:
-            policy, group, n = found
-            log.info(
-                "waiting for rewarded runs: group %d/%d of %s (policy %s)",
-                n,
-                self.config.group_size,
-                group,
-                policy,
-            )
-        self._waiting_for = found
-
-    async def _ungroup(self) -> None:
-        n = await ungroup_runs(self._db(), group_timeout=self.config.group_timeout)
-        if n:
-            log.info(
-                "%d run(s) ungrouped: no other run of their group within group_timeout (%.0f s); %s",
-                n,
-                self.config.group_timeout,
-                "they train in batches" if self.config.singletons == "train" else "not trained",
-            )
-            await self._warn_singletons()
-
-    async def _warn_singletons(self) -> None:
-        """Warn (at most every NOTICE_EVERY seconds) when most rewarded runs are ungrouped, saying what
-        to set; not with singletons=train, which trains them."""
-        now = time.monotonic()
-        if self.config.singletons == "train" or now < self._next_notice:
-            return
-        self._next_notice = now + NOTICE_CHECK_EVERY  # counting every run's status is not free
-        notice = singleton_notice(await run_status_counts(self._db()))
-        if notice:
-            self._next_notice = now + NOTICE_EVERY
-            log.warning(notice)
-
-    async def _ungrouped_batch(self) -> list[ReadyGroup]:
-        """singletons=train: the next batch of ungrouped runs, trained against its own mean reward."""
-        cfg = self.config
-        if cfg.singletons != "train":
-            return []
-        # full batches first; a short one once its newest run has sat ungrouped another group_timeout
-        batch = await ungrouped_batch(self._db(), batch_size=cfg.singleton_batch, wait=2 * cfg.group_timeout)
-        if batch is None:
-            return []
-        if batch.zero_variance:
-            self._flat_groups += 1  # counted in the next step's zero_variance_frac, like a flat group
-            n = await skip_groups(self._db(), [batch])
-            log.info("skipped a batch of %d ungrouped run(s): equal rewards carry no gradient", n)
-            return []
-        return [batch]
 
     async def _learner(self, policy: str) -> Learner:
         if policy not in self._learners:
@@ -550,38 +419,29 @@ class TrainerService:
             # the shadow check: the adapter is loaded, nobody is served by it yet (ShadowPending: no
             # verdict, the step waits uncommitted); a step it stops commits with its rollback row first
             if self.shadow is not None:
-                shadow = await self.shadow.check(self._db(), policy, step, run_ids)
+                shadow = await self.shadow.check(self.db(), policy, step, run_ids)
                 if not shadow.serves:
                     reason = f"shadow: {shadow.reason}"
                     await shadow_store.reject_step(
-                        self._db(), policy=policy, step=step, serving=shadow.serving_step, reason=reason
+                        self.db(), policy=policy, step=step, serving=shadow.serving_step, reason=reason
                     )
             # a canary policy's rollout row exists before its step does (trainer/rollout.py)
             if self.rollouts is not None and (shadow is None or shadow.serves):
-                rollout = await self.rollouts.begin(self._db(), policy, step)
+                rollout = await self.rollouts.begin(self.db(), policy, step)
             await commit_step(
-                self._db(),
-                policy=policy,
-                step=step,
-                run_ids=run_ids,
-                adapter_path=str(saved.path),
-                started_at=started_at,
-                num_groups=result.num_groups,
-                num_tokens=result.num_tokens,
-                mean_reward=result.mean_reward,
-                loss=result.loss,
-                metrics=result.metrics,
-                config=resolved_config(self.config),
+                self.db(), policy=policy, step=step, run_ids=run_ids, adapter_path=str(saved.path),
+                started_at=started_at, num_groups=result.num_groups, num_tokens=result.num_tokens,
+                mean_reward=result.mean_reward, loss=result.loss, metrics=result.metrics,
+                config=resolved_config(self.config), run_segments=result.run_segments,
                 columns={**step_columns(result.metrics), "kind": kind},
-                run_segments=result.run_segments,
-            )
+            )  # fmt: skip
             return shadow is None or shadow.serves
 
         try:
             await publish_step(
                 saved,
                 commit,
-                engine=self._db(),
+                engine=self.db(),
                 config=self.config,
                 backend=self.backend,
                 on_publish=self.on_publish,
@@ -592,14 +452,14 @@ class TrainerService:
             )
         except StepConflict:
             if self.rollouts is not None and rollout is not None:
-                await self.rollouts.abort(self._db(), rollout)
+                await self.rollouts.abort(self.db(), rollout)
             self._learners.pop(policy, None)
             raise
         if shadow is not None and not shadow.serves:  # committed rolled back: never served
             log.warning("%s@%d rolled back by the shadow check: %s", policy, step, shadow.reason)
             await self.discard_rolled_back()
             return
-        serving = await self.rollouts.protect(self._db(), policy) if self.rollouts is not None else ()
+        serving = await self.rollouts.protect(self.db(), policy) if self.rollouts is not None else ()
         old = step - self.config.keep_checkpoints
         if old >= 1 and old not in serving:  # a canary's incumbent stays loaded (trainer/rollout.py)
             task = asyncio.create_task(
@@ -615,7 +475,7 @@ class TrainerService:
         rollouts = self.rollouts
 
         async def serving() -> tuple[int, ...]:
-            return tuple(await rollouts.protect(self._db(), policy))
+            return tuple(await rollouts.protect(self.db(), policy))
 
         return serving
 
@@ -634,7 +494,7 @@ class TrainerService:
         done = []
         for policy in await asyncio.to_thread(ckpt.checkpoint_policies, root):
             last = ckpt.latest_checkpoint(root, policy)
-            db_step = await latest_step(self._db(), policy)
+            db_step = await latest_step(self.db(), policy)
             if self.shadow is not None:
                 self.shadow.settled(policy, last.step if last is not None and last.step > db_step else None)
             if last is None or last.step <= db_step:
@@ -686,7 +546,7 @@ class TrainerService:
         """Delete the checkpoints of rolled-back steps (a canary's or the shadow check's), forget their
         paths, drop a learner holding their weights and unload their adapters (idempotent: a crash in
         between is finished next time); the (policy, step) cleaned."""
-        engine = self._db()
+        engine = self.db()
         done = []
         for policy, step, path in await rollout_store.rolled_back_adapters(engine):
             await asyncio.to_thread(ckpt.discard, ckpt.Checkpoint(policy, step, Path(path)))
@@ -704,18 +564,6 @@ class TrainerService:
         return done
 
     # ------------------------------------------------------------------ feedback
-
-    def _selection_metrics(self, r: StepResult) -> dict[str, float]:
-        """What only the service knows: the zero-variance groups it skipped since the last step.
-
-        zero_variance_frac = (skipped groups + this step's equal-reward groups) / (skipped + this step's).
-        """
-        flat_here = r.metrics.get("reward/frac_zero_std", 0.0) * r.num_groups
-        seen = self._flat_groups + r.num_groups
-        return {
-            "reward/groups_skipped": float(self._flat_groups),
-            "reward/zero_variance_frac": (self._flat_groups + flat_here) / seen if seen else 0.0,
-        }
 
     def _log_progress(self, policy: str, step: int, r: StepResult, seconds: float) -> None:
         log.info("%s", progress_line(policy, step, r, seconds))

@@ -160,9 +160,10 @@ def test_trainer_trains_only_what_the_model_sampled(
     """A directory episode through the real `rlproxy serve` (no trainer) in front of a scripted model:
     the batch the trainer builds from the stored rows has everything the model was given (system,
     tools, question, tool results) as prompt, and its loss mask covers exactly the sampled tokens."""
+    from oracle import build_samples, collate
+
     from rlproxy.storage.db import create_engine
     from rlproxy.storage.training import load_runs
-    from rlproxy.trainer.batches import build_samples, collate
 
     upstream = ScriptedModel(tiny_tokenizer)
     loop_thread.run(upstream.start())

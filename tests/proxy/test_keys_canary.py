@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import httpx
 
+from rlproxy.settings import RolloutSettings
 from rlproxy.storage import keys as keystore
 from rlproxy.storage import rollouts as store
 from rlproxy.storage.models import TrainingStep
-from rlproxy.storage.rollout_rule import ArmRun, RuleConfig, cap_keys, decide
+from rlproxy.storage.rollouts import ArmRun
+from rlproxy.trainer.rollout_rule import cap_keys, decide
 
 MSG = [{"role": "user", "content": "hi"}]
-RULE = RuleConfig(min_runs=5, looks=1, alpha=0.05, min_pairs=50)
+RULE = RolloutSettings(canary_min_runs=5, canary_looks=1, canary_min_pairs=50, canary_max_key_share=1.0)
 
 
 def _key(proxy, name: str) -> dict[str, str]:
@@ -88,5 +90,7 @@ def test_one_key_is_capped_to_its_share_of_an_arm():
     # the rule applies it before it counts: 30 runs of one key and 10 of another are 20 runs
     cand = [ArmRun(None, 1.0, key_id="key_a") for _ in range(30)] + [ArmRun(None, 0.5, key_id="key_b")] * 10
     inc = [ArmRun(None, 0.5, key_id="key_b") for _ in range(10)]
-    capped = decide(cand, inc, 0, RuleConfig(min_runs=15, looks=1, max_key_share=0.5))
+    capped = decide(
+        cand, inc, 0, RolloutSettings(canary_min_runs=15, canary_looks=1, canary_max_key_share=0.5)
+    )
     assert capped.stats["candidate_runs"] == 20, capped

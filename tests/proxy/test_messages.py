@@ -522,9 +522,9 @@ def test_rewarded_messages_runs_train_on_sampled_tokens_only(
     1 and 0: the group is ready, every sample is the stored prompt + the sampled tokens, and a GRPO
     step trains on exactly those tokens."""
     import torch
+    from oracle import build_samples, collate
 
     from rlproxy.storage.training import load_runs, ready_groups
-    from rlproxy.trainer.batches import build_samples, collate
     from rlproxy.trainer.config import TrainerConfig
     from rlproxy.trainer.model import load_policy
     from rlproxy.trainer.step import make_optimizer, train_step

@@ -349,9 +349,9 @@ def test_rewarded_responses_runs_train_on_sampled_tokens_only(
     only on what the model sampled, never on the prompt, the tool output or earlier turns), and a
     GRPO step trains on exactly those tokens."""
     import torch
+    from oracle import build_samples, collate
 
     from rlproxy.storage.training import load_runs, ready_groups
-    from rlproxy.trainer.batches import build_samples, collate
     from rlproxy.trainer.config import TrainerConfig
     from rlproxy.trainer.model import load_policy
     from rlproxy.trainer.step import make_optimizer, train_step

@@ -9,10 +9,12 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import delete, insert, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from rlproxy.settings import RolloutSettings
 from rlproxy.storage import rollouts as store
 from rlproxy.storage.db import create_engine
 from rlproxy.storage.models import Completion, Rollout, Run, TrainingStep
-from rlproxy.storage.rollout_rule import RuleConfig, Verdict, decide
+from rlproxy.storage.rollouts import Verdict
+from rlproxy.trainer.rollout_rule import decide
 
 
 async def _steps(engine: AsyncEngine, policy: str, steps: list[int]) -> None:
@@ -122,7 +124,7 @@ async def test_a_continue_look_is_recorded_once_and_the_rule_reads_the_view(engi
         await _run(engine, f"c{i}", [2], float(i % 2))
         await _run(engine, f"i{i}", [1], float(i % 2))
     cand, inc = await store.arm_runs(engine, rid)
-    v = decide(cand, inc, 0, RuleConfig(min_runs=4, looks=3))
+    v = decide(cand, inc, 0, RolloutSettings(canary_min_runs=4, canary_looks=3))
     assert v.look == 1 and v.decision == "continue"
     assert await store.record_look(engine, rid, v, 0)
     assert not await store.record_look(engine, rid, v, 0)  # the same look again: already taken

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from oracle import build_samples
 from sqlalchemy.ext.asyncio import AsyncEngine
 from transformers import AutoTokenizer
 
 from rlproxy.proxy.capture import Captured, StreamAssembler, from_response, inject
 from rlproxy.storage.records import Endpoint
 from rlproxy.storage.training import load_runs
-from rlproxy.trainer.batches import build_samples
 
 COMPLETIONS = Endpoint.COMPLETIONS
 

@@ -1,4 +1,5 @@
-"""Samples and padded batches: masks on sampled tokens only, aligned old logprobs, counted fallbacks."""
+"""Calls as training reads them (segments.build_segments, one per call): exact ids, aligned old logprobs,
+counted fallbacks; seen through the oracle's samples (tests/oracle.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
+from oracle import build_samples
 from transformers import AutoTokenizer
 
 from rlproxy.storage.training import CompletionData, RunData
-from rlproxy.trainer.batches import build_samples, collate, micro_batches
 
 
 def comp(
@@ -108,27 +108,6 @@ def test_stale_overlong_and_temperature(tokenizer) -> None:
     assert (counts.stale, counts.overlong) == (1, 1)
     samples, _ = build_samples(runs, adv, tokenizer, 64, **kw)
     assert [(s.run_id, s.temperature) for s in samples][-1] == ("cut", 0.5)  # no temperature: the server's
-    batch = collate(samples, pad_id=0)
-    assert batch.temperature.tolist() == pytest.approx([0.7, 1.0, 0.5])
-    assert collate(samples[1:2], pad_id=0).temperature is None  # all at T = 1: no division at all
-
-
-def test_collate_layout(tokenizer) -> None:
-    runs = [
-        RunData("a", "g", "tiny", 1.0, [comp([1, 2, 3], [[4, 5]], [[-0.5, -0.25]])]),
-        RunData("b", "g", "tiny", 0.0, [comp([7], [[8, 9, 10]], [[-1.0, -2.0, -3.0]])]),
-    ]
-    samples, _ = build_samples(runs, {"a": 0.5, "b": -0.5}, tokenizer, max_seq_len=64)
-    b = collate(samples, pad_id=0)
-    # P = 3 prompt columns (left-padded), C = 3 completion columns (right-padded)
-    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5, 0], [0, 0, 7, 8, 9, 10]]
-    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
-    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
-    assert b.completion_ids.tolist() == [[4, 5, 0], [8, 9, 10]]
-    assert b.mask.tolist() == [[1, 1, 0], [1, 1, 1]]
-    assert b.old_logp.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
-    assert b.advantages.tolist() == [0.5, -0.5]
-    assert b.num_tokens == 5
 
 
 def test_truncation_and_drop_are_counted(tokenizer) -> None:
@@ -138,7 +117,7 @@ def test_truncation_and_drop_are_counted(tokenizer) -> None:
     ]
     samples, counts = build_samples(runs, {"long": 1.0, "huge": -1.0}, tokenizer, max_seq_len=16)
     [s] = samples
-    assert len(s.prompt_ids) + len(s.completion_ids) == 16 and s.truncated
+    assert len(s.prompt_ids) + len(s.completion_ids) == 16
     assert s.completion_ids == list(range(20, 26)) and len(s.old_logprobs) == 6
     assert (counts.truncated, counts.dropped) == (1, 1)
     assert counts.metrics()["batch/truncated"] == 1.0
@@ -153,22 +132,9 @@ def test_fallback_rebuilds_with_chat_template(tokenizer) -> None:
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert s.prompt_ids == tokenizer(prompt, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(s.completion_ids) == "hi friend<|im_end|>"
-    assert s.rebuilt and all(math.isnan(x) for x in s.old_logprobs)
+    assert all(math.isnan(x) for x in s.old_logprobs)
     assert (counts.rebuilt, counts.missing_logprobs) == (1, 1)
     # mismatched logprobs count as missing too
     c2 = comp([1], [[2, 3]], [[-1.0]])
     _, counts = build_samples([RunData("b", "g", "tiny", 1.0, [c2])], {"b": 1.0}, tokenizer, 256)
     assert (counts.rebuilt, counts.missing_logprobs) == (0, 1)
-
-
-def test_micro_batches_keep_every_sample(tokenizer) -> None:
-    runs = [
-        RunData(f"r{i}", "g", "tiny", float(i), [comp([1] * (i + 1), [[2] * (5 - i)], [[-1.0] * (5 - i)])])
-        for i in range(5)
-    ]
-    samples, _ = build_samples(runs, {f"r{i}": float(i) for i in range(5)}, tokenizer, 64)
-    mbs = micro_batches(samples, 2, pad_id=0)
-    assert [mb.input_ids.shape[0] for mb in mbs] == [2, 2, 1]
-    assert sum(mb.num_tokens for mb in mbs) == 15
-    assert sorted(a for mb in mbs for a in mb.advantages.tolist()) == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert torch.equal(mbs[0].mask.sum(1), torch.tensor([5.0, 4.0]))

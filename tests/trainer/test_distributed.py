@@ -218,11 +218,11 @@ async def test_sigkill_one_rank_then_restart(
 
 def test_share_splits_whole_groups_then_samples() -> None:
     from rlproxy.storage.training import RunData
-    from rlproxy.trainer.batches import Sample
     from rlproxy.trainer.distributed import share
+    from rlproxy.trainer.segments import Segment
 
     runs = [RunData(f"r{i}", f"g{i // 4}", "p", float(i), []) for i in range(8)]
-    samples = [Sample(f"r{i}", 0.0, [1] * 4, [2] * (i + 1), [0.0] * (i + 1)) for i in range(8)]
+    samples = [Segment(f"r{i}", 0.0, [1] * 4 + [2] * (i + 1)) for i in range(8)]
     two = [share(samples, runs, r, 2) for r in range(2)]
     assert {tuple(s.run_id for s in part) for part in two} == {
         ("r0", "r1", "r2", "r3"),
@@ -231,6 +231,6 @@ def test_share_splits_whole_groups_then_samples() -> None:
     three = [share(samples, runs, r, 3) for r in range(3)]  # fewer groups than ranks: single samples
     ids = sorted(s.run_id for part in three for s in part)
     assert ids == [f"r{i}" for i in range(8)] and all(three)
-    sizes = [sum(len(s.prompt_ids) + len(s.completion_ids) for s in part) for part in three]
+    sizes = [sum(len(s) for s in part) for part in three]
     assert max(sizes) - min(sizes) <= 8  # balanced by tokens (LPT)
     assert share(samples[:1], runs, 1, 2) == []  # a rank may have nothing: it still joins the all-reduce

@@ -43,7 +43,7 @@ async def test_hosted_runs_skipped_and_counted(
     svc = TrainerService(config, db_url, ServerlessBackend(tiny_model_dir))
     try:
         assert await svc.step_once() is None  # nothing to train: no fake step, no rebuilt samples
-        assert svc.hosted_skipped == 2 and svc.steps_done == 0
+        assert svc.selection.hosted_skipped == 2 and svc.steps_done == 0
         # the next real step says how many hosted runs were left out since the last one
         for i, reward in enumerate([1.0, 0.0]):
             await add_run(engine, f"s{i}", group_id="stu", policy="tiny", reward=reward)

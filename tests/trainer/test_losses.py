@@ -1,20 +1,22 @@
 """The GRPO math on examples small enough to compute by hand; expected numbers are written out.
 
-The policy-loss example (B=2 sequences, T=3 positions, the second sequence has 2 tokens):
+The policy-loss example: train_step's loss, `token_policy_loss`, on 2 sequences flattened into N=5
+trained tokens (the first sequence has 3, the second 2), weighted as segments.assign_weights weighs them:
 
-    logp      [[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]]
-    old_logp  [[-1.2, -1.0, -0.5], [-1.0, -0.5, 0.0]]     mask [[1, 1, 1], [1, 1, 0]]   adv [1, -2]
-    log-ratio [[0.2, -1.0, 0.0], [-0.5, 0.3, -]]
-    ratio     [[1.2214028, 0.3678794, 1], [0.6065307, 1.3498588, -]]
+    logp      [-1.0, -2.0, -0.5 | -1.5, -0.2]
+    old_logp  [-1.2, -1.0, -0.5 | -1.0, -0.5]          adv [1, 1, 1 | -2, -2]
+    log-ratio [0.2, -1.0, 0.0 | -0.5, 0.3]
+    ratio     [1.2214028, 0.3678794, 1 | 0.6065307, 1.3498588]
 
-    eps = 0.2: row 0 (A=+1) min(rA, clip(r)A) = [1.2, 0.3678794, 1]  -> loss tokens [-1.2, -0.3678794, -1]
-               row 1 (A=-2) min = [min(-1.2130613, -1.6), min(-2.6997176, -2.4)]
+    eps = 0.2: seq 0 (A=+1) min(rA, clip(r)A) = [1.2, 0.3678794, 1]  -> loss tokens [-1.2, -0.3678794, -1]
+               seq 1 (A=-2) min = [min(-1.2130613, -1.6), min(-2.6997176, -2.4)]
                                                                -> loss tokens [1.6, 2.6997176]
-    grpo    = mean(-2.5678794 / 3, 4.2997176 / 2)        = (-0.8559598 + 2.1498588) / 2 = 0.6469495
-    dapo    = (-2.5678794 + 4.2997176) / 5               = 0.3463676
-    dr_grpo = 1.7318382 / (2 sequences * max_len 4)       = 0.2164798
-    gspo    : sequence log-ratios -0.2666667, -0.1 -> ratios 0.7659283, 0.9048374
-              row 0: min(0.7659283, clip 0.8) = 0.7659283 -> -0.7659283 ; row 1: -2 * 0.9048374 -> 1.8096748
+    grpo    w = 1/(2 x 3), 1/(2 x 2): mean(-2.5678794 / 3, 4.2997176 / 2) = (-0.8559598 + 2.1498588) / 2
+                                                                        = 0.6469495
+    dapo    w = 1/5:                   (-2.5678794 + 4.2997176) / 5       = 0.3463676
+    dr_grpo w = 1/(2 sequences x L 4): 1.7318382 / 8                      = 0.2164798
+    gspo    w as grpo, one ratio per sequence: log-ratios -0.2666667, -0.1 -> ratios 0.7659283, 0.9048374
+              seq 0: min(0.7659283, clip 0.8) = 0.7659283 -> -0.7659283 ; seq 1: -2 * 0.9048374 -> 1.8096748
               loss = (-0.7659283 + 1.8096748) / 2 = 0.5218732
 """
 
@@ -28,19 +30,31 @@ import torch
 from rlproxy.trainer.losses import (
     advantages,
     approx_kl,
-    batch_weight,
     behavior_logprobs,
     clip_range,
     k3_kl,
-    policy_loss,
     sampled_logprobs,
+    token_policy_loss,
 )
 
-LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]])
-OLD = torch.tensor([[-1.2, -1.0, -0.5], [-1.0, -0.5, 0.0]])
-MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-ADV = torch.tensor([1.0, -2.0])
-REF = torch.full((2, 3), -1.0)
+LOGP = torch.tensor([-1.0, -2.0, -0.5, -1.5, -0.2])
+OLD = torch.tensor([-1.2, -1.0, -0.5, -1.0, -0.5])
+ADV = torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0])  # each token's run's advantage
+SEQ = torch.tensor([0, 0, 0, 1, 1])  # each token's sequence (gspo's ratio group)
+REF = torch.full((5,), -1.0)
+PER_SEQ = torch.tensor([1 / 6] * 3 + [1 / 4] * 2)  # 1 / (sequences x the sequence's tokens)
+WEIGHT = {
+    "grpo": PER_SEQ,
+    "gspo": PER_SEQ,
+    "dapo": torch.full((5,), 1 / 5),
+    "dr_grpo": torch.full((5,), 1 / 8),
+}
+
+
+def policy_loss(kind: str, logp=LOGP, ref=None, n: int = 5, **kw) -> tuple[torch.Tensor, dict[str, float]]:
+    """token_policy_loss on the first `n` tokens of the example, weighted for `kind`."""
+    w = kw.pop("weight", WEIGHT[kind][:n])
+    return token_policy_loss(logp[:n], OLD[:n], ref, ADV[:n], w, kind=kind, ratio_group=SEQ[:n], **kw)
 
 
 def approx(x: float) -> object:
@@ -69,7 +83,7 @@ def test_advantages_unscaled() -> None:
 
 
 def test_grpo_per_sequence_mean() -> None:
-    loss, m = policy_loss(LOGP, OLD, None, ADV, MASK, kind="grpo", epsilon=0.2)
+    loss, m = policy_loss("grpo", epsilon=0.2)
     assert loss.item() == approx(0.6469495)
     assert m["clip/low_frac"] == approx(0.2)  # row 1 token 0: ratio 0.61 < 0.8 with A < 0
     assert m["clip/high_frac"] == approx(0.2)  # row 0 token 0: ratio 1.22 > 1.2 with A > 0
@@ -81,54 +95,46 @@ def test_grpo_per_sequence_mean() -> None:
 
 
 def test_dapo_token_mean_and_clip_higher() -> None:
-    loss, _ = policy_loss(LOGP, OLD, None, ADV, MASK, kind="dapo", epsilon=0.2)
+    loss, _ = policy_loss("dapo", epsilon=0.2)
     assert loss.item() == approx(0.3463676)
     # clip-higher 0.3: row 0 token 0 (1.2214 < 1.3) is no longer clipped -> -1.2214028 instead of -1.2
-    loss, m = policy_loss(LOGP, OLD, None, ADV, MASK, kind="dapo", epsilon=0.2, epsilon_high=0.3)
+    loss, m = policy_loss("dapo", epsilon=0.2, epsilon_high=0.3)
     assert loss.item() == approx((-1.2214028 - 0.3678794 - 1 + 1.6 + 2.6997176) / 5)
     assert loss.item() == approx(0.3420871)
     assert m["clip/high_frac"] == 0.0
 
 
 def test_dr_grpo_constant_normalizer() -> None:
-    loss, _ = policy_loss(LOGP, OLD, None, ADV, MASK, kind="dr_grpo", epsilon=0.2, max_len=4)
+    loss, _ = policy_loss("dr_grpo", epsilon=0.2)
     assert loss.item() == approx(0.2164798)
 
 
 def test_gspo_sequence_ratio() -> None:
-    loss, m = policy_loss(LOGP, OLD, None, ADV, MASK, kind="gspo", epsilon=0.2)
+    loss, m = policy_loss("gspo", epsilon=0.2)
     assert loss.item() == approx(0.5218732)
     assert m["clip/frac"] == 0.0  # 0.766 < 0.8 but A > 0: the unclipped term is the minimum
 
 
 def test_k3_kl_and_beta() -> None:
     kl = k3_kl(LOGP, REF)
-    # d = ref - logp = [[0, 1, -0.5], [0.5, -0.8, -1]]; k3 = e^d - d - 1
-    assert kl[0].tolist() == pytest.approx([0.0, math.e - 2, math.exp(-0.5) - 0.5], abs=1e-6)
-    assert kl[1, :2].tolist() == pytest.approx([math.exp(0.5) - 1.5, math.exp(-0.8) - 0.2], abs=1e-6)
-    loss, m = policy_loss(LOGP, OLD, REF, ADV, MASK, kind="grpo", epsilon=0.2, beta=0.1)
+    # d = ref - logp = [0, 1, -0.5 | 0.5, -0.8]; k3 = e^d - d - 1
+    assert kl[:3].tolist() == pytest.approx([0.0, math.e - 2, math.exp(-0.5) - 0.5], abs=1e-6)
+    assert kl[3:].tolist() == pytest.approx([math.exp(0.5) - 1.5, math.exp(-0.8) - 0.2], abs=1e-6)
+    loss, m = policy_loss("grpo", ref=REF, epsilon=0.2, beta=0.1)
     # row 0: (-2.5678794 + 0.1 * 0.8248125) / 3 ; row 1: (4.2997176 + 0.1 * 0.3980502) / 2
     assert loss.item() == approx(0.6706476)
     assert m["kl/ref"] == approx((0.8248125 + 0.3980502) / 5)
     # beta is ignored without reference log-probs (beta 0 never computes them)
-    loss0, _ = policy_loss(LOGP, OLD, None, ADV, MASK, kind="grpo", epsilon=0.2, beta=0.1)
+    loss0, _ = policy_loss("grpo", epsilon=0.2, beta=0.1)
     assert loss0.item() == approx(0.6469495)
 
 
 def test_on_policy_gradient_is_advantage_weighted() -> None:
-    # at ratio 1 the gradient of the grpo loss w.r.t. logp_t is -A / (tokens in the sequence) / B
+    # at ratio 1 the gradient of the grpo loss w.r.t. logp_t is -A w_t = -A / (tokens in the sequence) / B
     logp = OLD.clone().requires_grad_(True)
-    loss, _ = policy_loss(logp, OLD, None, ADV, MASK, kind="grpo")
+    loss, _ = policy_loss("grpo", logp=logp)
     loss.backward()
-    assert logp.grad[0].tolist() == pytest.approx([-1 / 6] * 3)
-    assert logp.grad[1].tolist() == pytest.approx([0.5, 0.5, 0.0])
-
-
-def test_batch_weight_sums_to_one() -> None:
-    a, b = torch.ones(3, 4), torch.tensor([[1.0, 1.0, 0.0, 0.0]])
-    assert batch_weight("grpo", a, 4, 14) + batch_weight("grpo", b, 4, 14) == approx(1.0)
-    assert batch_weight("dapo", a, 4, 14) == approx(12 / 14)
-    assert batch_weight("dapo", b, 4, 14) == approx(2 / 14)
+    assert logp.grad.tolist() == pytest.approx([-1 / 6] * 3 + [0.5, 0.5])
 
 
 def test_clip_range_defaults_per_loss() -> None:
@@ -148,23 +154,23 @@ def test_dual_clip_caps_negative_advantage_tokens() -> None:
     Row 1 (A = -2), token 1 has ratio 1.3498588: its loss 2 x 1.3498588 = 2.6997176 > C|A| = 2.4 at C = 1.2
     -> grpo = mean(-2.5678794 / 3, (1.6 + 2.4) / 2) = (-0.8559598 + 2.0) / 2 = 0.5720201.
     """
-    loss, m = policy_loss(LOGP, OLD, None, ADV, MASK, kind="grpo", epsilon=0.2, ratio_cap=1.2)
+    loss, m = policy_loss("grpo", epsilon=0.2, ratio_cap=1.2)
     assert loss.item() == approx(0.5720201)
     assert m["clip/dual_frac"] == approx(0.2)
     assert m["clip/ratio_max"] == approx(1.3498588)
-    loss, m = policy_loss(LOGP, OLD, None, ADV, MASK, kind="grpo", epsilon=0.2, ratio_cap=3.0)
+    loss, m = policy_loss("grpo", epsilon=0.2, ratio_cap=3.0)
     assert loss.item() == approx(0.6469495) and m["clip/dual_frac"] == 0.0  # no ratio above 3: unchanged
     # A > 0 is never capped: the clip already bounds it (row 0, ratio 1.22 > C = 1.1)
-    loss, _ = policy_loss(LOGP[:1], OLD[:1], None, ADV[:1], MASK[:1], kind="grpo", epsilon=0.2, ratio_cap=1.1)
+    loss, _ = policy_loss("grpo", n=3, weight=torch.full((3,), 1 / 3), epsilon=0.2, ratio_cap=1.1)
     assert loss.item() == approx(-2.5678794 / 3)
 
 
 def test_dual_clip_gradient_of_a_stale_token() -> None:
     """A token with A = -1 and ratio 50: 50x the gradient uncapped, none with C = 3 (the default)."""
-    old = torch.tensor([[-3.0]])
+    old = torch.tensor([-3.0])
     for cap, loss_value, grad in ((None, 50.0, 50.0), (3.0, 3.0, 0.0)):
         logp = (old + math.log(50.0)).requires_grad_(True)
-        loss, _ = policy_loss(logp, old, None, torch.tensor([-1.0]), torch.ones(1, 1), ratio_cap=cap)
+        loss, _ = token_policy_loss(logp, old, None, torch.tensor([-1.0]), torch.ones(1), ratio_cap=cap)
         loss.backward()
         assert loss.item() == pytest.approx(loss_value, rel=1e-6)
         assert logp.grad.item() == pytest.approx(grad, abs=1e-5)

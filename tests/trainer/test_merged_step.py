@@ -1,6 +1,6 @@
 """Merged segments on the tiny model: the same gradients as one sample per call, memory by token budget.
 
-The oracle is today's per-call path, kept in `old_gradients` below exactly as train_step ran it
+The oracle is the per-call path (tests/oracle.py), run in `old_gradients` below as train_step ran it
 before segments (build_samples -> micro_batches -> completion_logits -> policy_loss x batch_weight).
 """
 
@@ -12,13 +12,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracle import (
+    batch_weight,
+    build_samples,
+    collate,
+    completion_logits,
+    micro_batches,
+    policy_loss,
+    token_logprobs,
+)
 from support import Capture
 
 from rlproxy.storage.training import CompletionData, RunData
 from rlproxy.trainer import losses
-from rlproxy.trainer.batches import baseline_index, build_samples, collate, micro_batches
+from rlproxy.trainer.batches import baseline_index
 from rlproxy.trainer.config import TrainerConfig
-from rlproxy.trainer.model import completion_logits, load_policy, row_logprobs, token_logprobs
+from rlproxy.trainer.model import load_policy, row_logprobs
 from rlproxy.trainer.rows import collate_rows
 from rlproxy.trainer.segments import assign_weights, build_segments
 from rlproxy.trainer.step import train_step
@@ -112,11 +121,11 @@ def old_gradients(
             else losses.sampled_logprobs(logits.detach(), batch.completion_ids)
         )
         old = losses.behavior_logprobs(logp, raw, batch.old_logp, cfg.sampling_logprobs)
-        loss, _ = losses.policy_loss(
+        loss = policy_loss(
             logp, old, None, batch.advantages, batch.mask, kind=cfg.loss, epsilon=eps_low,
             epsilon_high=eps_high, max_len=cfg.max_seq_len, ratio_cap=cfg.ratio_cap,
         )  # fmt: skip
-        (loss * losses.batch_weight(cfg.loss, batch.mask, len(samples), total)).backward()
+        (loss * batch_weight(cfg.loss, batch.mask, len(samples), total)).backward()
     out = [p.grad.detach().clone() for p in lora(model)]
     for p in lora(model):
         p.grad = None

@@ -22,21 +22,13 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 from serving import serving
-from support import free_port
+from support import free_port, rows
 
 from rlproxy.inference.embedded import EmbeddedBackend
 from rlproxy.settings import Settings
 
 FRACTION = 0.3
 REWARD = {0: 0.5, 1: 0.9}  # P(reward 1) of the step that served the run; any other step: 0 (broken)
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 async def one_run(

@@ -12,8 +12,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 from test_service import RecordingBackend, add_group
 
+from rlproxy.settings import RolloutSettings
 from rlproxy.storage import rollouts as store
-from rlproxy.storage.rollout_rule import RuleConfig
 from rlproxy.trainer import checkpoint as ckpt
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.rollout import RolloutController
@@ -33,7 +33,9 @@ async def test_hold_rollback_retrain_from_incumbent_protect(
         unload_grace=0.2,
     )
     backend = RecordingBackend(tiny_model_dir)
-    controller = RolloutController("canary", 0.2, RuleConfig(min_runs=1000))  # the rule never looks here
+    controller = RolloutController(
+        RolloutSettings(rollout="canary", canary_min_runs=1000)
+    )  # the rule never looks here
     svc = TrainerService(config, db_url, backend, rollouts=controller)
     try:
         await add_group(engine, add_run, "A", [1.0, 0.0, 0.5, 0.25], seed=1)

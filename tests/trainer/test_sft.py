@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 from openai import AsyncOpenAI
+from oracle import Sample, collate, completion_logits
 from safetensors.torch import load_file
 from serving import serving
 from sqlalchemy import text
@@ -31,10 +32,9 @@ from rlproxy.cli import processes
 from rlproxy.inference.embedded import EmbeddedBackend
 from rlproxy.settings import Settings
 from rlproxy.storage.leader import LeaderLock
-from rlproxy.trainer.batches import Sample, collate
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.losses import sampled_logprobs
-from rlproxy.trainer.model import completion_logits, load_policy
+from rlproxy.trainer.model import load_policy
 from rlproxy.trainer.offline import run_sft
 from rlproxy.trainer.service import STEPS_LOCK, TrainerService
 from rlproxy.trainer.sft import SFTExample, chat_example, read_chats, sft_batches, sft_loss, sft_micro_loss

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from support import free_port
+from support import free_port, rows
 from trainer.serving import serving
 
 from rlproxy.inference.embedded import EmbeddedBackend
@@ -27,14 +26,6 @@ from rlproxy.trainer import siblings as sib
 from rlproxy.trainer.scorers import ChecksScorer, ScoreRequest
 
 MSGS = [{"role": "user", "content": "Name a color."}]
-
-
-def rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 class RankedChecks(ChecksScorer):

@@ -9,17 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracle import build_samples, collate, token_logprobs
 
 from rlproxy.storage.training import CompletionData, RunData
-from rlproxy.trainer.batches import build_samples, collate
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.model import (
     fp32_lm_head,
     gradient_checkpointing,
     load_policy,
-    reference_logprobs,
-    token_logprobs,
+    reference_row_logprobs,
+    row_logprobs,
 )
+from rlproxy.trainer.rows import collate_rows
+from rlproxy.trainer.segments import build_segments
 from rlproxy.trainer.step import make_optimizer, train_step
 
 PROMPT = [5, 17, 42, 99, 7]
@@ -57,9 +59,10 @@ def test_padding_does_not_change_logprobs(tiny_model_dir: Path, config: TrainerC
         alone = token_logprobs(model, collate(samples[:1], tok.pad_token_id))
     assert torch.isfinite(both).all()
     assert torch.allclose(both[0, :2], alone[0], atol=1e-5)  # left padding + position ids = no padding at all
-    # a fresh LoRA adapter starts as the identity: policy == reference
-    ref = reference_logprobs(model, collate(samples, tok.pad_token_id))
-    assert torch.allclose(ref, both, atol=1e-6)
+    # a fresh LoRA adapter starts as the identity: policy == reference (the step's KL term)
+    rows = collate_rows(build_segments([short, long], {"s": 0.0, "l": 0.0}, tok, 512)[0], tok.pad_token_id)
+    with torch.no_grad():
+        assert torch.allclose(reference_row_logprobs(model, rows), row_logprobs(model, rows)[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo"])
@@ -108,36 +111,6 @@ def test_micro_batches_accumulate_to_the_full_batch(
     assert norm1 == pytest.approx(norm8, rel=1e-4)
 
 
-def test_shared_prompts_same_logprobs_and_gradients(tiny_model_dir: Path, config: TrainerConfig) -> None:
-    model, tok = load_policy(str(tiny_model_dir), config)
-    with torch.no_grad():  # a non-zero adapter, so the prompt's LoRA path matters
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    runs = [
-        run("a", 1.0, GOOD),
-        run("b", 0.0, BAD),
-        run("c", 0.5, [30]),
-        run("d", 0.2, [8, 9], prompt=[4, 6]),
-    ]
-    samples, _ = build_samples(runs, {r.run_id: r.reward for r in runs}, tok, 512)
-    batch = collate(samples, tok.pad_token_id)
-    assert batch.shared_prompts and batch.prompt_ids.shape[0] == 2
-    results = []
-    for shared in (True, False):
-        b = batch if shared else collate(samples, tok.pad_token_id)
-        if not shared:
-            b.prompt_ids = None  # force the one-row-per-sample path
-        model.zero_grad()
-        logp = token_logprobs(model, b)
-        (logp * b.mask * torch.tensor([[1.0], [-2.0], [0.5], [3.0]])).sum().backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-        results.append((logp.detach() * b.mask, grads))
-    (lp1, g1), (lp2, g2) = results
-    assert torch.allclose(lp1, lp2, atol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(g1, g2, strict=True))
-
-
 def lora_weights(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters() if p.requires_grad]
 
@@ -153,14 +126,10 @@ def randomize_lora(model) -> None:
 def test_gradient_checkpointing_same_gradients(tiny_model_dir: Path, config: TrainerConfig) -> None:
     """Issue 16 bug 2: under gradient checkpointing the shared-prompt path raised (no KV cache with grads).
 
-    With it on, every sample runs whole: same log-probabilities and gradients as without.
+    With it on, every row runs whole: same log-probabilities and gradients as without.
     """
-    runs = [
-        run("a", 1.0, GOOD),
-        run("b", 0.0, BAD),
-        run("c", 0.5, [30, 31]),
-        run("d", 0.2, [8, 9], prompt=[4, 6]),
-    ]
+    long = PROMPT * 4  # a prompt long enough to be run once (rows.MIN_SHARED)
+    runs = [run(r, 0.0, t, prompt=long) for r, t in (("a", GOOD), ("b", BAD), ("c", [30, 31]))]
     results = []
     for on in (False, True):
         model, tok = load_policy(
@@ -168,14 +137,12 @@ def test_gradient_checkpointing_same_gradients(tiny_model_dir: Path, config: Tra
         )
         assert gradient_checkpointing(model) == on
         randomize_lora(model)
-        samples, _ = build_samples(runs, {r.run_id: r.reward for r in runs}, tok, 512)
-        batch = collate(samples, tok.pad_token_id)
-        assert batch.shared_prompts
-        logp = token_logprobs(model, batch)
-        (logp * batch.mask * torch.tensor([[1.0], [-2.0], [0.5], [3.0]])).sum().backward()
-        results.append(
-            (logp.detach() * batch.mask, [p.grad.clone() for p in model.parameters() if p.requires_grad])
-        )
+        segs, _ = build_segments(runs, {"a": 1.0, "b": -2.0, "c": 0.5}, tok, 512)
+        rows = collate_rows(segs, tok.pad_token_id)
+        assert rows.shared == len(long)  # the prompt the rows share runs once (without checkpointing)
+        logp = row_logprobs(model, rows)[0]
+        (logp * rows.advantages).sum().backward()
+        results.append((logp.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]))
         # and a whole step runs
         assert not train_step(model, tok, make_optimizer(model, config), runs, config).skipped
     (lp1, g1), (lp2, g2) = results

@@ -23,6 +23,7 @@ from rlproxy.errors import ConfigError
 from rlproxy.storage.training import STEP_METRIC_COLUMNS
 from rlproxy.trainer import losses
 from rlproxy.trainer.config import TrainerConfig
+from rlproxy.trainer.model import _chunk_stats
 from rlproxy.trainer.reporting import MetricsReporter, parse_report_to, progress_line
 from rlproxy.trainer.service import TrainerService
 from rlproxy.trainer.step import COLUMN_METRICS, StepResult, step_columns
@@ -39,49 +40,41 @@ def _need(module: str, in_ci: bool = False) -> None:
 
 
 def test_token_entropy_exact() -> None:
+    """The entropy the step logs (model._chunk_stats, from the head's chunk of logits)."""
     ln3 = math.log(3.0)
-    logits = torch.tensor(
-        [
-            [[0.0, 0.0, 0.0, 0.0], [0.0, ln3, -math.inf, -math.inf]],  # uniform over 4; p = (1/4, 3/4)
-            [[5.0, -math.inf, -math.inf, -math.inf], [1.0, 1.0, -math.inf, -math.inf]],  # one-hot; uniform 2
-        ]
-    )  # (B=2, C=2, V=4)
-    h = losses.token_entropy(logits)
-    expected = [[math.log(4.0), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))], [0.0, math.log(2.0)]]
-    assert h.flatten().tolist() == pytest.approx(sum(expected, []), abs=1e-6)
-    assert h[1, 1].item() == pytest.approx(0.6931472, abs=1e-6)
+    z = torch.tensor(
+        [[0.0, 0.0, 0.0, 0.0], [0.0, ln3, -math.inf, -math.inf], [5.0, -math.inf, -math.inf, -math.inf]]
+    )  # uniform over 4; p = (1/4, 3/4); one-hot  (n=3, V=4)
+    targets = torch.zeros(3, dtype=torch.long)
 
-    # temperature 2 on row 0: p = softmax(0, ln3 / 2) = (1, sqrt 3) / (1 + sqrt 3)
+    def entropy(inv_temp: torch.Tensor | None) -> list[float]:
+        return _chunk_stats(z.clone(), targets, inv_temp)[2].tolist()
+
+    h = [math.log(4.0), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), 0.0]
+    assert entropy(None) == pytest.approx(h, abs=1e-6)
+    # temperature 2: p = softmax(0, ln3 / 2) = (1, sqrt 3) / (1 + sqrt 3); uniform and one-hot stay so
     p1 = 1 / (1 + math.sqrt(3))
     p2 = 1 - p1
-    tempered = losses.token_entropy(logits, torch.tensor([2.0, 1.0]))
-    assert tempered[0, 1].item() == pytest.approx(-(p1 * math.log(p1) + p2 * math.log(p2)), abs=1e-6)
-    assert tempered[0, 0].item() == pytest.approx(math.log(4.0), abs=1e-6)  # uniform stays uniform
-    assert tempered[1].tolist() == pytest.approx(expected[1], abs=1e-6)  # flat list: row 1  # row 1 at T = 1
-
-    # chunked over positions: the same numbers whatever the chunk
-    rnd = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0)) * 3
-    temps = torch.tensor([0.7, 1.0, 1.3])
-    whole = losses.token_entropy(rnd, temps, chunk=5)
-    assert torch.allclose(losses.token_entropy(rnd, temps, chunk=2), whole, atol=1e-6)
-    direct = -(
-        torch.softmax(rnd / temps.view(-1, 1, 1), -1) * torch.log_softmax(rnd / temps.view(-1, 1, 1), -1)
-    )
-    assert torch.allclose(whole, direct.sum(-1), atol=1e-5)
+    tempered = [math.log(4.0), -(p1 * math.log(p1) + p2 * math.log(p2)), 0.0]
+    assert entropy(torch.full((3,), 0.5)) == pytest.approx(tempered, abs=1e-6)
+    rnd = torch.randn(5, 11, generator=torch.Generator().manual_seed(0)) * 3
+    temps = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.5])
+    got = _chunk_stats(rnd.clone(), torch.zeros(5, dtype=torch.long), 1 / temps)[2]
+    direct = -(torch.softmax(rnd / temps[:, None], -1) * torch.log_softmax(rnd / temps[:, None], -1)).sum(-1)
+    assert torch.allclose(got, direct, atol=1e-5)
 
 
 def test_clip_fractions_on_a_crafted_batch() -> None:
-    """Low: ratio < 1 - eps where A < 0; high: ratio > 1 + eps_high where A > 0; padding never counts."""
-    ratios = torch.tensor([[1.3, 1.1, 0.7, 9.0], [0.7, 1.3, 0.9, 0.5]])  # row 0 token 3 is padding
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    old = torch.full((2, 4), -2.0)
+    """Low: ratio < 1 - eps where A < 0; high: ratio > 1 + eps_high where A > 0."""
+    ratios = torch.tensor([1.3, 1.1, 0.7, 0.7, 1.3, 0.9, 0.5])  # 3 tokens with A > 0, then 4 with A < 0
+    old = torch.full((7,), -2.0)
     logp = old + ratios.log()
-    adv = torch.tensor([1.0, -1.0])
-    _, m = losses.policy_loss(logp, old, None, adv, mask, kind="grpo", epsilon=0.2, epsilon_high=0.2)
+    adv, w = torch.tensor([1.0] * 3 + [-1.0] * 4), torch.full((7,), 1 / 7)
+    _, m = losses.token_policy_loss(logp, old, None, adv, w, kind="grpo", epsilon=0.2, epsilon_high=0.2)
     assert m["clip/low_frac"] == pytest.approx(2 / 7)  # row 1: 0.7 and 0.5 (0.9 is inside; 1.3 has A < 0)
     assert m["clip/high_frac"] == pytest.approx(1 / 7)  # row 0: 1.3 (0.7 has A > 0: the min is unclipped)
     assert m["clip/frac"] == pytest.approx(3 / 7)
-    _, m = losses.policy_loss(logp, old, None, adv, mask, kind="dapo", epsilon=0.2, epsilon_high=0.35)
+    _, m = losses.token_policy_loss(logp, old, None, adv, w, kind="dapo", epsilon=0.2, epsilon_high=0.35)
     assert (m["clip/low_frac"], m["clip/high_frac"]) == (pytest.approx(2 / 7), 0.0)  # 1.3 < 1.35
 
 
@@ -97,12 +90,12 @@ def test_step_columns_pick_and_sanitize() -> None:
 
 def test_zero_variance_frac_counts_skipped_groups(tmp_path: Path) -> None:
     svc = TrainerService(TrainerConfig(checkpoint_dir=str(tmp_path)), "sqlite+aiosqlite://", None)  # type: ignore[arg-type]
-    svc._flat_groups = 3  # skipped since the last step
+    svc.selection.flat_groups = 3  # skipped since the last step
     r = StepResult(2, 8, 100, 0.5, 0.1, {"reward/frac_zero_std": 0.5})  # and one equal-reward group trained
-    m = svc._selection_metrics(r)
+    m = svc.selection.metrics(r)
     assert m == {"reward/groups_skipped": 3.0, "reward/zero_variance_frac": 4 / 5}
-    svc._flat_groups = 0
-    assert svc._selection_metrics(StepResult(1, 4, 10, 0.5, 0.1, {}))["reward/zero_variance_frac"] == 0.0
+    svc.selection.flat_groups = 0
+    assert svc.selection.metrics(StepResult(1, 4, 10, 0.5, 0.1, {}))["reward/zero_variance_frac"] == 0.0
 
 
 def test_progress_line_keeps_the_precision() -> None:

@@ -14,7 +14,7 @@ Create Date: 2026-12-07
   apps never share a run or a group (proxy/keys.py).
 - view `rollout_runs` again (0016's), now also without the runs that pinned a step (`"model":
   "policy@N"` in any call), as without sibling runs (`branch_of` NOT NULL); and with
-  `key_id`, so the rule can cap one key's share of an arm (storage/rollout_rule.py).
+  `key_id`, so the rule can cap one key's share of an arm (trainer/rollout_rule.py).
 """
 
 from __future__ import annotations

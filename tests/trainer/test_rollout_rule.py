@@ -13,25 +13,18 @@ import random
 
 import pytest
 
-from rlproxy.storage.rollout_rule import (
-    ArmRun,
-    RuleConfig,
-    decide,
-    errors_z,
-    mode_of,
-    parse_modes,
-    t_sf,
-    welch,
-)
+from rlproxy.settings import RolloutSettings
+from rlproxy.storage.rollouts import ArmRun, mode_of, parse_modes
+from rlproxy.trainer.rollout_rule import decide, errors_z, t_sf, welch
 
-CFG = RuleConfig(min_runs=30, looks=4, alpha=0.05, min_pairs=10)
+CFG = RolloutSettings(canary_min_runs=30, canary_looks=4, canary_alpha=0.05, canary_min_pairs=10)
 
 
 def simulate(
     rng: random.Random,
     p_cand: float,
     p_inc: float,
-    cfg: RuleConfig = CFG,
+    cfg: RolloutSettings = CFG,
     fraction: float = 0.2,
     max_runs: int = 5000,
     groups: int = 0,
@@ -51,7 +44,7 @@ def simulate(
         rewarded = on_cand and reward is not None
         nc = nc + rewarded
         ni = ni + (not on_cand)
-        if min(nc, ni) < (looks + 1) * cfg.min_runs:  # decide() would say "collecting" (saves time)
+        if min(nc, ni) < (looks + 1) * cfg.canary_min_runs:  # decide() would say "collecting" (saves time)
             continue
         v = decide(cand, inc, looks, cfg)
         looks = v.look
@@ -81,7 +74,7 @@ def test_false_promote_rate_on_equal_arms_is_within_alpha() -> None:
     outcomes = [simulate(rng, 0.5, 0.5)[0] for _ in range(trials)]
     promoted = outcomes.count("promote") / trials
     print(f"equal arms: promoted {promoted:.4f}, rolled back {outcomes.count('rollback') / trials:.4f}")
-    assert promoted <= CFG.alpha  # measured 0.0305: Bonferroni over 4 looks is conservative
+    assert promoted <= CFG.canary_alpha  # measured 0.0305: Bonferroni over 4 looks is conservative
     assert "continue" not in outcomes  # every canary ends by the last look
 
 
@@ -131,11 +124,13 @@ def test_paired_by_group_when_groups_land_on_both_arms() -> None:
             inc.append(ArmRun(f"g{g}", base + rng.gauss(0, 0.02)))
         for _ in range(2):
             cand.append(ArmRun(f"g{g}", base + 0.1 + rng.gauss(0, 0.02)))
-    v = decide(cand, inc, 0, RuleConfig(min_runs=30, looks=4, min_pairs=10))
+    v = decide(cand, inc, 0, RolloutSettings(canary_min_runs=30, canary_looks=4, canary_min_pairs=10))
     assert v.statistic == "paired_t" and v.stats["pairs"] == 20
     assert v.decision == "promote"
     # unpaired, the task spread hides the same difference
-    unpaired = decide(cand, inc, 0, RuleConfig(min_runs=30, looks=4, min_pairs=1000))
+    unpaired = decide(
+        cand, inc, 0, RolloutSettings(canary_min_runs=30, canary_looks=4, canary_min_pairs=1000)
+    )
     assert unpaired.statistic == "welch_t" and unpaired.decision == "continue"
 
 
@@ -161,7 +156,7 @@ def test_no_look_before_min_runs_and_one_look_at_a_time() -> None:
     assert v.look == 2 and v.decision == "continue"
     last = decide(cand, inc, 3, CFG)
     assert last.look == 4 and last.decision == "rollback" and "inconclusive" in last.reason
-    promote = decide(cand, inc, 3, RuleConfig(inconclusive="promote"))
+    promote = decide(cand, inc, 3, RolloutSettings(canary_inconclusive="promote"))
     assert promote.decision == "promote"
 
 

@@ -1,5 +1,8 @@
 """The canary decision rule: pure functions, no I/O (issue 28; docs/rollout.md "The rule").
 
+Its knobs are the settings' rollout group (`RolloutSettings`, the `canary_*` fields); the arms' runs
+and the verdict are storage/rollouts.py's rows (`ArmRun`, `Verdict`).
+
 A canary compares the candidate arm (runs served by the new step) with the incumbent arm (runs served
 by the step the policy served before). It looks at the data at most `looks` times, at
 k * `min_runs` rewarded runs in *each* arm (k = 1..looks), and at each look it spends alpha / looks
@@ -31,44 +34,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class RuleConfig:
-    """The rule's knobs (Settings fields canary_*)."""
-
-    min_runs: int = 30  # rewarded runs per arm before the first look; look k at k * min_runs
-    looks: int = 4  # looks at most; each spends alpha / looks
-    alpha: float = 0.05  # the false-promote bound (and the false-rollback bound) over all looks
-    min_pairs: int = 10  # groups on both arms for the paired test
-    error_margin: float = 0.05  # error-rate excess (absolute) that may roll back on errors alone
-    inconclusive: str = "rollback"  # rollback | promote at the last look without a significant result
-    max_key_share: float = 1.0  # most of an arm one app key's runs may be (1 = no cap; `cap_keys`)
-
-
-@dataclass(frozen=True)
-class ArmRun:
-    """One run of an arm: its group, its reward (None: not rewarded yet), whether it errored."""
-
-    group_id: str | None
-    reward: float | None
-    errored: bool = False
-    key_id: str | None = None  # the app key that made it (None: the shared agents' key)
-
-
-@dataclass
-class Verdict:
-    """The outcome of one look (or of no look: `look` 0 while collecting)."""
-
-    decision: str  # continue | promote | rollback
-    reason: str
-    look: int = 0
-    statistic: str | None = None  # welch_t | paired_t | errors_z
-    value: float | None = None  # the statistic
-    p_value: float | None = None  # one-sided, in the direction of the decision (p(up) otherwise)
-    stats: dict[str, float] = field(default_factory=dict)  # per arm: runs, reward, error rate
-
+from rlproxy.settings import RolloutSettings
+from rlproxy.storage.rollouts import ArmRun, Verdict
 
 # ------------------------------------------------------------------ distributions
 
@@ -216,9 +184,9 @@ def cap_keys(runs: Sequence[ArmRun], share: float) -> list[ArmRun]:
     return out
 
 
-def decide(cand: Sequence[ArmRun], inc: Sequence[ArmRun], looks_done: int, cfg: RuleConfig) -> Verdict:
+def decide(cand: Sequence[ArmRun], inc: Sequence[ArmRun], looks_done: int, cfg: RolloutSettings) -> Verdict:
     """The verdict on the arms' runs so far, given the looks already taken (see the module doc)."""
-    cand, inc = cap_keys(cand, cfg.max_key_share), cap_keys(inc, cfg.max_key_share)
+    cand, inc = cap_keys(cand, cfg.canary_max_key_share), cap_keys(inc, cfg.canary_max_key_share)
     rc = [r.reward for r in cand if r.reward is not None]
     ri = [r.reward for r in inc if r.reward is not None]
     stats = {
@@ -230,20 +198,20 @@ def decide(cand: Sequence[ArmRun], inc: Sequence[ArmRun], looks_done: int, cfg: 
         "incumbent_error_rate": sum(r.errored for r in inc) / len(inc) if inc else math.nan,
     }
     n = min(len(rc), len(ri))
-    look = n // max(cfg.min_runs, 2)  # the look the data reached (1 = first)
-    if look <= looks_done or looks_done >= cfg.looks:
-        need = (looks_done + 1) * max(cfg.min_runs, 2)
+    look = n // max(cfg.canary_min_runs, 2)  # the look the data reached (1 = first)
+    if look <= looks_done or looks_done >= cfg.canary_looks:
+        need = (looks_done + 1) * max(cfg.canary_min_runs, 2)
         reason = f"collecting: {n} of {need} rewarded runs per arm"
         return Verdict("continue", reason, looks_done, stats=stats)
     look = looks_done + 1  # one look at a time: a look skipped by a burst of rewards is still spent
-    a = cfg.alpha / cfg.looks
+    a = cfg.canary_alpha / cfg.canary_looks
 
     # 1. errors alone
     ec, ei = sum(r.errored for r in cand), sum(r.errored for r in inc)
     if cand and inc:
         z = errors_z(ec, len(cand), ei, len(inc))
         excess = ec / len(cand) - ei / len(inc)
-        if norm_sf(z) < a and excess >= cfg.error_margin:
+        if norm_sf(z) < a and excess >= cfg.canary_error_margin:
             return Verdict(
                 "rollback",
                 f"errors: {ec}/{len(cand)} candidate runs vs {ei}/{len(inc)} incumbent (z={z:.2f})",
@@ -256,45 +224,21 @@ def decide(cand: Sequence[ArmRun], inc: Sequence[ArmRun], looks_done: int, cfg: 
 
     # 2. reward: paired by group when enough groups landed on both arms
     diffs = group_diffs(cand, inc)
-    if len(diffs) >= max(cfg.min_pairs, 2):
+    if len(diffs) >= max(cfg.canary_min_pairs, 2):
         name, (t, df) = "paired_t", paired(diffs)
         stats["pairs"] = float(len(diffs))
     else:
         name, (t, df) = "welch_t", welch(rc, ri)
     p_up, p_down = t_sf(t, df), t_sf(-t, df)
     diff = stats["candidate_reward"] - stats["incumbent_reward"]
-    what = f"{name}={t:.2f} (df {df:.0f}), reward {diff:+.3f}, look {look}/{cfg.looks} at alpha {a:.4f}"
+    what = (
+        f"{name}={t:.2f} (df {df:.0f}), reward {diff:+.3f}, look {look}/{cfg.canary_looks} at alpha {a:.4f}"
+    )
     if p_up < a:
         return Verdict("promote", f"better: {what}, p={p_up:.4f}", look, name, t, p_up, stats)
     if p_down < a:
         return Verdict("rollback", f"worse: {what}, p={p_down:.4f}", look, name, t, p_down, stats)
-    if look >= cfg.looks:
-        decision = "promote" if cfg.inconclusive == "promote" else "rollback"
+    if look >= cfg.canary_looks:
+        decision = "promote" if cfg.canary_inconclusive == "promote" else "rollback"
         return Verdict(decision, f"inconclusive after the last look: {what}", look, name, t, p_up, stats)
     return Verdict("continue", f"no difference yet: {what}", look, name, t, p_up, stats)
-
-
-# ------------------------------------------------------------------ modes
-
-MODES = ("immediate", "canary")
-
-
-def parse_modes(spec: str) -> dict[str, str]:
-    """`rollout` setting -> {policy or "*": mode}: `"canary"` = {"*": "canary"};
-    `"agent=canary,*=immediate"` per policy. Raises ValueError on an unknown mode or a bad entry."""
-    out: dict[str, str] = {}
-    for item in (spec or "immediate").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, sep, mode = item.rpartition("=") if "=" in item else ("*", "=", item)
-        name, mode = name.strip(), mode.strip()
-        if not sep or not name or mode not in MODES:
-            raise ValueError(f"rollout entry {item!r}: want immediate, canary or policy=immediate|canary")
-        out[name] = mode
-    return out
-
-
-def mode_of(modes: dict[str, str], policy: str) -> str:
-    """The rollout mode of `policy` (its own entry, else `*`, else immediate)."""
-    return modes.get(policy, modes.get("*", "immediate"))
