@@ -26,8 +26,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rlproxy.settings import parse_rollout
 from rlproxy.storage import rollouts as store
-from rlproxy.storage.rollout_rule import RuleConfig, decide, mode_of, parse_modes
+from rlproxy.storage.rollout_rule import RuleConfig, decide, mode_of
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class RolloutController:
     """Opens, judges and cleans up the canary rollouts of the policies in canary mode."""
 
     def __init__(self, modes: str | dict[str, str], fraction: float, rule: RuleConfig) -> None:
-        self.modes = parse_modes(modes) if isinstance(modes, str) else modes
+        self.modes = parse_rollout(modes) if isinstance(modes, str) else modes
         self.fraction = fraction
         self.rule = rule
         self._last: dict[int, tuple[Any, ...]] = {}  # rollout id -> numbers last written (skip no-ops)
@@ -110,7 +111,7 @@ class RolloutController:
 
 def controller_from(settings: Any) -> RolloutController | None:
     """The controller for these settings (a Settings object), or None when no policy is in canary mode."""
-    modes = parse_modes(settings.rollout)
+    modes = parse_rollout(settings.rollout)
     if "canary" not in modes.values():
         return None
     rule = RuleConfig(

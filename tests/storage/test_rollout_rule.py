@@ -13,13 +13,13 @@ import random
 
 import pytest
 
+from rlproxy.settings import parse_rollout
 from rlproxy.storage.rollout_rule import (
     ArmRun,
     RuleConfig,
     decide,
     errors_z,
     mode_of,
-    parse_modes,
     t_sf,
     welch,
 )
@@ -166,9 +166,9 @@ def test_no_look_before_min_runs_and_one_look_at_a_time() -> None:
 
 
 def test_modes() -> None:
-    assert parse_modes("canary") == {"*": "canary"}
-    modes = parse_modes("agent=canary,*=immediate")
+    assert parse_rollout("canary") == {"*": "canary"}
+    modes = parse_rollout("agent=canary,*=immediate")
     assert mode_of(modes, "agent") == "canary" and mode_of(modes, "other") == "immediate"
-    assert mode_of(parse_modes("immediate"), "x") == "immediate"
+    assert mode_of(parse_rollout("immediate"), "x") == "immediate"
     with pytest.raises(ValueError, match="rollout entry"):
-        parse_modes("agent=fast")
+        parse_rollout("agent=fast")
