@@ -64,9 +64,7 @@ def serve(
     model: Annotated[str, setting("model", help="smollm2-135m, tiny, or a model folder")] = field_default(
         "model"
     ),
-    upstream: Annotated[
-        list[str] | None, setting("upstream", metavar="URL", help="attach to this server (repeat: replicas)")
-    ] = None,
+    upstream: upstream_opt("attach to this server (repeat: replicas)") = None,
     data_dir: Annotated[
         str | None,
         setting("data_dir", metavar="DIR", help="where the store and checkpoints go", show_default="."),
@@ -102,24 +100,7 @@ def serve(
 
     The options a first start needs: --help-all shows every setting's, by group.
     """
-    settings = make_settings(
-        **(settings_given or {}),
-        backend=backend,
-        model=model,
-        upstream=upstream,
-        data_dir=data_dir,
-        db_url=db,
-        host=host,
-        port=port,
-        train=train,
-        group_size=group_size,
-        groups_per_step=groups_per_step,
-        api_key=api_key,
-        admin_key=admin_key,
-        model_map=model_map,
-        blocking_train=blocking_train,
-        init_adapter=init_adapter,
-    )
+    settings = make_settings(**(settings_given or {}))  # the options above that set a setting
     setup_logging(log_level)
     _serve(settings, access_log, log_level)
 
@@ -237,16 +218,7 @@ def train(
     settings_given: dict[str, Any] | None = None,
 ) -> None:
     """Run the trainer as its own process (or `--nproc N` ranks) until SIGTERM / Ctrl-C."""
-    settings = make_settings(
-        **(settings_given or {}),
-        db_url=db,
-        upstream=upstream,
-        model=model,
-        group_size=group_size,
-        groups_per_step=groups_per_step,
-        nproc=nproc,
-        init_adapter=init_adapter,
-    )
+    settings = make_settings(**(settings_given or {}))  # the options above (settings_flags)
     if not settings.upstream:
         raise typer.BadParameter("--upstream (or RLPROXY_UPSTREAM) is required: the server to publish to")
     setup_logging("info")

@@ -154,8 +154,9 @@ def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
 
     Each is made by `setting()` (the field's help, `RLPROXY_<NAME>`, its default shown) and defaults
     shows the setting's default; only the options given (on the command line or by their variable)
-    reach the command, as a dict in its `settings_given` parameter (which is not an option), to merge
-    into `make_settings`. `skip`: settings left out.
+    reach the command, as a dict in its `settings_given` parameter (which is not an option), for
+    `make_settings`, with the values of the command's own options that set a setting (`db`: db_url).
+    `skip`: settings left out.
     """
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -167,12 +168,14 @@ def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
             if p.name != "settings_given"
         ]
         taken = set(skip) | {p.name for p in own}
-        for i, p in enumerate(own):  # what an explicit option sets (`db` sets db_url) is taken too
+        sets: dict[str, str] = {}  # own option -> the setting it sets (`db` sets db_url: taken too)
+        for i, p in enumerate(own):
             metas = list(getattr(p.annotation, "__metadata__", ()))
             for j, meta in enumerate(metas):
                 envvar = getattr(meta, "envvar", None)
                 if isinstance(envvar, str) and envvar.startswith("RLPROXY_"):
-                    taken.add(envvar.removeprefix("RLPROXY_").lower())
+                    sets[p.name] = envvar.removeprefix("RLPROXY_").lower()
+                    taken.add(sets[p.name])
                     metas[j] = copy.copy(meta)  # shared by other commands (DbOpt): a copy
                     metas[j].show_envvar = False  # short --help: the epilog says it once; --help-all shows it
             if metas:
@@ -225,6 +228,7 @@ def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
             given = {
                 k: v for k, v in given.items() if ctx is None or ctx.get_parameter_source(k).name != "DEFAULT"
             }
+            given.update({sets[n]: kwargs[n] for n in sets if n in kwargs})  # own options: always
             return fn(*args, settings_given=given, **kwargs)
 
         keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
