@@ -26,7 +26,9 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import ValidationError
 from rich.markup import escape
+from sqlalchemy.exc import SQLAlchemyError
 from typer.core import TyperGroup, TyperOption
 
 try:  # typer >= 0.2x carries its own copy of click
@@ -55,8 +57,6 @@ def _first_line(exc: BaseException) -> str:
 
 def describe(exc: BaseException) -> str:
     """One line that says what went wrong, for an error a user caused or can fix."""
-    from sqlalchemy.exc import SQLAlchemyError
-
     if isinstance(exc, RLProxyError | ValueError):
         return _first_line(exc)
     if isinstance(exc, OSError) and exc.strerror:
@@ -328,8 +328,6 @@ def upstream_opt(help: str) -> Any:
 def make_settings(**options: Any) -> Settings:
     """Settings from RLPROXY_* variables, overridden by the options that were given (not None)."""
     given = {k: v for k, v in options.items() if v is not None}
-    from pydantic import ValidationError
-
     try:
         settings = Settings(**given)
         return settings.model_copy(update={"db_url": normalize_url(settings.db_url)})

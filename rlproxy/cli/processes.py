@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import resource
+import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -75,8 +79,6 @@ async def fork(settings: Settings, source: str, new_policy: str) -> Any:
 
 def _raise_open_files(wanted: int) -> None:
     """Raise the soft open-files limit toward `wanted` (at most the hard one): the cap binds, not EMFILE."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     if soft != resource.RLIM_INFINITY and soft < target:
@@ -174,8 +176,6 @@ async def run_trainer(settings: Settings, ranks: Any = None) -> None:
     With `ranks` (rank 0 of a `--nproc N` job, trainer/distributed.py) each step runs on every rank,
     and stopping tells the other ranks to exit.
     """
-    import signal
-
     await db.upgrade_async(db.normalize_url(settings.db_url))
     backend = make_backend(settings)  # attached to `settings.upstream` (the command requires it)
     stop = asyncio.Event()
@@ -218,9 +218,6 @@ def launch_trainer(settings: Settings) -> None:
     checkpoint (trainer/distributed.py). SIGTERM reaches every rank: rank 0 finishes its step, then
     tells the others to exit (the agent kills what is left after 30 s; crash-safe either way).
     """
-    import os
-    import sys
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -258,15 +255,12 @@ def launch_trainer(settings: Settings) -> None:
 def train_worker() -> None:
     """One rank of `rlproxy train --nproc N` (started by `launch_trainer`): rank 0 runs the trainer
     service, the others follow its steps."""
-    import logging as logging_
-    import os
-
     from rlproxy.trainer import distributed  # lazy: torch
 
     settings = Settings.model_validate_json(os.environ[TRAIN_JOB_ENV])
     rank = os.environ.get("RANK", "?")
-    logging_.basicConfig(
-        level=logging_.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"
     )
     quiet_third_party("info")
     ranks = distributed.init()
