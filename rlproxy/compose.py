@@ -57,11 +57,10 @@ from rlproxy.proxy.rollout import RolloutService, Router
 from rlproxy.settings import JudgeSettings, LimitsSettings, Settings, parse_rollout
 from rlproxy.storage import queries
 from rlproxy.storage.db import normalize_url
-from rlproxy.trainer import resample
+from rlproxy.trainer import resample, scorers
 from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.judge import Judge
 from rlproxy.trainer.rollout import controller_from
-from rlproxy.trainer.scorers import build_scorer
 from rlproxy.trainer.shadow import ShadowChecker
 from rlproxy.trainer.siblings import SiblingService
 
@@ -138,7 +137,7 @@ def make_shadow(settings: Settings, backend: Backend) -> Any:
     return ShadowChecker(
         prompts=settings.shadow_prompts,
         margin=settings.shadow_margin,
-        make_scorer=lambda client: build_scorer(settings, client),
+        make_scorer=lambda client: scorers.build_scorer(settings, client),  # looked up per check (tests)
         resolve=_direct(backend),
         max_attempts=settings.scorer_max_attempts,
         retry_after=settings.scorer_timeout,
