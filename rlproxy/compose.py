@@ -2,9 +2,6 @@
 
     settings ─> backend ─> policies, train gate ─> trainer service ─> FastAPI app + routes ─> ASGI stack
 
-With `siblings` on, a `SiblingService` (trainer/siblings.py) samples more answers to stored calls
-and scores them, paced against the app's requests in flight (`Limits`).
-
 The trainer is wired to the proxy here and nowhere else: it calls `policies.set_step` after it
 publishes an adapter (the swap) and `gate.set_training` while a step trains. With `init_adapter`,
 an `InitAdapter` service starts before it (policies without steps start from that LoRA, step 1).
@@ -28,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -45,7 +43,6 @@ from rlproxy.proxy import (
     routes_rollouts,
     routes_runs,
     routes_untagged,
-    rules,
 )
 from rlproxy.proxy.apis import ErrorShapes
 from rlproxy.proxy.app import ProxyState, create_app
@@ -57,19 +54,17 @@ from rlproxy.proxy.limits import Limits
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies, parse_model_map
 from rlproxy.proxy.rollout import RolloutService, Router
-from rlproxy.settings import JudgeSettings, Settings
+from rlproxy.settings import JudgeSettings, LimitsSettings, Settings, parse_rollout
 from rlproxy.storage import queries
 from rlproxy.storage.db import normalize_url
-from rlproxy.storage.rollouts import parse_modes
+from rlproxy.trainer import resample, scorers
 from rlproxy.trainer.config import TrainerConfig
-from rlproxy.trainer.judge import Judge, JudgeConfig
+from rlproxy.trainer.judge import Judge
+from rlproxy.trainer.rollout import controller_from
+from rlproxy.trainer.shadow import ShadowChecker
+from rlproxy.trainer.siblings import SiblingService
 
 logger = logging.getLogger(__name__)
-
-# The embedded engine and the trainer's modules load torch (seconds, and memory): they are imported
-# where they are built (`# lazy: torch`), so a process that needs neither never loads it.
-
-PUBLIC_PATHS: tuple[str, ...] = rules.PUBLIC_PATHS  # the route rules' (proxy/rules.py)
 
 
 def make_backend(settings: Settings) -> Backend:
@@ -111,9 +106,10 @@ def make_backend(settings: Settings) -> Backend:
     )
 
 
-def trainer_config(settings: Settings) -> TrainerConfig:
-    """The settings' trainer group (what is saved with every step)."""
-    return settings.group(TrainerConfig)
+def _direct(backend: Backend, path: str = "") -> Callable[[], tuple[str, str, str | None]]:
+    """The backend's (base URL + `path`, served model, key), asked once it has started: the judge
+    and the shadow check call the backend directly, never through the proxy's capture."""
+    return lambda: (f"{backend.base_url}{path}", backend.served_model, backend.api_key)
 
 
 def make_judge(
@@ -122,50 +118,30 @@ def make_judge(
     """The judge the trainer asks before it selects groups (trainer/judge.py), built from the
     settings' judge group (`settings.group(JudgeSettings)`), or None when it is off for every
     policy (`always`: built all the same, for the siblings' `scorer=judge`). Its default endpoint is
-    the backend itself (`base_url`/v1, its served model and key): called directly, never through the
-    proxy's capture, so judge calls are never training data."""
-    config = JudgeConfig.of(settings)
-    if config.off and not always:
-        return None
-
-    def upstream() -> tuple[str, str, str | None]:  # known once the backend has started
-        return f"{backend.base_url}/v1", backend.served_model, backend.api_key
-
-    return Judge(
-        config,
-        resolve=upstream,
+    the backend itself, so judge calls are never training data (`_direct`)."""
+    judge = Judge(
+        settings,
+        resolve=_direct(backend, "/v1"),
         on_call=metrics.judge_call if metrics is not None else None,
         on_group=metrics.judge_group if metrics is not None else None,
     )
+    return None if judge.off and not always else judge
 
 
 def make_shadow(settings: Settings, backend: Backend) -> Any:
     """The shadow check a new step passes before it serves (trainer/shadow.py), or None when
-    `shadow_prompts` is 0. It samples the backend itself (`base_url`, its served model and key), never
-    through the proxy's capture, and scores with the configured scorer (trainer/scorers.py)."""
+    `shadow_prompts` is 0. It samples the backend itself (`_direct`) and scores with the configured
+    scorer (trainer/scorers.py)."""
     if not settings.shadow_prompts:
         return None
-    from rlproxy.trainer.scorers import build_scorer
-    from rlproxy.trainer.shadow import ShadowChecker
-
-    def upstream() -> tuple[str, str, str | None]:  # known once the backend has started
-        return backend.base_url, backend.served_model, backend.api_key
-
     return ShadowChecker(
         prompts=settings.shadow_prompts,
         margin=settings.shadow_margin,
-        make_scorer=lambda client: build_scorer(settings, client),
-        resolve=upstream,
+        make_scorer=lambda client: scorers.build_scorer(settings, client),  # looked up per check (tests)
+        resolve=_direct(backend),
         max_attempts=settings.scorer_max_attempts,
         retry_after=settings.scorer_timeout,
     )
-
-
-def init_targets(settings: Settings, default_policy: str) -> list[str]:
-    """The policies `--init-adapter` starts: the default policy and the model map's."""
-    hosted = _hosted_specs(settings)  # a hosted provider's policy has no adapter to start
-    names = dict.fromkeys([default_policy, *parse_model_map(settings.model_map).values()])
-    return [p for p in names if p not in hosted]
 
 
 def _hosted_specs(settings: Settings) -> dict[str, Any]:
@@ -176,15 +152,18 @@ def _hosted_specs(settings: Settings) -> dict[str, Any]:
 
 
 async def init_adapter(settings: Settings, backend: Backend, default_policy: str) -> list[str]:
-    """`--init-adapter DIR`: DIR becomes step 1 of each policy without steps (trainer/offline.py),
+    """`--init-adapter DIR`: DIR becomes step 1 of each policy without steps (trainer/offline.py):
+    the default policy and the model map's, but a hosted provider's (it has no adapter to start),
     loaded into `backend`; returns the policies started."""
     from rlproxy.trainer.offline import init_policies  # lazy: torch
 
     assert settings.init_adapter is not None
+    hosted = _hosted_specs(settings)
+    names = dict.fromkeys([default_policy, *parse_model_map(settings.model_map).values()])
     return await init_policies(
         normalize_url(settings.db_url),
-        trainer_config(settings),
-        init_targets(settings, default_policy),
+        settings.group(TrainerConfig),
+        [p for p in names if p not in hosted],
         settings.init_adapter,
         backend.model_path,
         settings.max_lora_rank,
@@ -195,7 +174,7 @@ async def init_adapter(settings: Settings, backend: Backend, default_policy: str
 def canary_router(settings: Settings, policies: Policies, metrics: Metrics) -> Any:
     """The canary router's lifespan service (proxy/rollout.py), hooked into `policies` and `/metrics`;
     None when every policy is in immediate mode (routing exactly as without rollouts)."""
-    modes = parse_modes(settings.rollout)
+    modes = parse_rollout(settings.rollout)
     if "canary" not in modes.values():
         return None
     router = Router(modes)
@@ -207,21 +186,15 @@ def canary_router(settings: Settings, policies: Policies, metrics: Metrics) -> A
 def sibling_service(
     settings: Settings, backend: Backend, policies: Policies, hosted_specs: dict[str, Any], metrics: Metrics
 ) -> Any:
-    """The siblings service (trainer/siblings.py), or None when `siblings` is off: nothing of it is
-    built or imported then. It samples on the backend directly (never through the proxy's capture),
-    with the engine priority only where it is honoured: the embedded engine always, a launched vLLM
-    only under `--scheduling-policy priority` (vLLM refuses a priority otherwise), an attached
-    server never."""
+    """The siblings service (trainer/siblings.py), or None when `siblings` is off: it samples more
+    answers to stored calls and scores them, paced against the app's requests in flight (`Limits`),
+    on the backend directly (never through the proxy's capture), with the engine priority only where
+    it is honoured: the embedded engine always, a launched vLLM only under `--scheduling-policy priority`
+    (vLLM refuses a priority otherwise), an attached server never."""
     if settings.siblings.strip() in ("", "off"):
         return None
-    from rlproxy.trainer import resample
-    from rlproxy.trainer.siblings import SiblingService
-
-    if isinstance(backend, VLLMBackend):
-        honoured = not settings.upstream and "priority" in settings.vllm_args
-        priority = resample.SIBLING_PRIORITY if honoured else None
-    else:
-        priority = resample.SIBLING_PRIORITY
+    launched = not settings.upstream and "priority" in settings.vllm_args  # a vLLM we start with it
+    honoured = launched or not isinstance(backend, VLLMBackend)
 
     def serving(policy: str) -> tuple[str, int]:
         step = policies.step(policy)
@@ -233,12 +206,30 @@ def sibling_service(
         backend,
         serving=serving,
         hosted=frozenset(hosted_specs),
-        priority=priority,
+        priority=resample.SIBLING_PRIORITY if honoured else None,
         poll_interval=settings.poll_interval,  # the trainer's: how often the store is read
         metrics=metrics,
         judge=make_judge(settings.group(JudgeSettings), backend, metrics, always=True)
         if settings.scorer == "judge"
         else None,
+    )
+
+
+def make_trainer(settings: Settings, backend: Backend, metrics: Metrics | None = None, **hooks: Any) -> Any:
+    """The trainer service (trainer/service.py) of `serve` and `rlproxy train`, with its judge,
+    canary controller and shadow check; `hooks`: what its process wires in (`serve`: the swap and
+    the train gate; rank 0 of `train --nproc N`: `train_fn`)."""
+    from rlproxy.trainer.service import TrainerService  # lazy: torch
+
+    return TrainerService(
+        settings.group(TrainerConfig),  # what is saved with every step
+        normalize_url(settings.db_url),
+        backend,
+        judge=make_judge(settings.group(JudgeSettings), backend, metrics),  # before each selection
+        rollouts=controller_from(settings),  # canary rollouts (trainer/rollout.py); None: immediate
+        siblings_weight=settings.siblings_weight,  # sibling groups' runs in a step
+        shadow=make_shadow(settings, backend),  # a new step's check before it serves (trainer/shadow.py)
+        **hooks,
     )
 
 
@@ -281,45 +272,29 @@ def build_app(settings: Settings, backend: Backend | None = None) -> ErrorShapes
     if hasattr(backend, "metrics_collector"):  # the embedded engine's prefix cache and counters
         metrics.registry.register(backend.metrics_collector())
 
-    services: list[Any] = []
     rollout = canary_router(settings, policies, metrics)  # proxy/rollout.py; None: every policy immediate
-    controller = None
-    if settings.init_adapter:  # before the trainer: its first step continues the initial adapter
-        services.append(InitAdapter(settings, backend, policies))
+    # before the trainer: its first step continues the initial adapter
+    init = InitAdapter(settings, backend, policies) if settings.init_adapter else None
+    trainer = None
     if settings.train:
-        from rlproxy.trainer.rollout import controller_from  # lazy: torch
-        from rlproxy.trainer.service import TrainerService  # lazy: torch
-
-        controller = controller_from(settings)
-
-        services.append(
-            TrainerService(
-                trainer_config(settings),
-                normalize_url(settings.db_url),
-                backend,
-                on_publish=policies.set_step,  # the swap: new requests go to the published adapter
-                on_train_state=gate.set_training,  # hold new requests while a step trains (if set)
-                # judge rewards, before each selection
-                judge=make_judge(settings.group(JudgeSettings), backend, metrics),
-                rollouts=controller,  # canary rollouts (trainer/rollout.py); None: immediate
-                siblings_weight=settings.siblings_weight,  # sibling groups' runs in a step
-                shadow=make_shadow(settings, backend),  # a new step's check before it serves (issue 54)
-            )
+        trainer = make_trainer(
+            settings,
+            backend,
+            metrics,
+            on_publish=policies.set_step,  # the swap: new requests go to the published adapter
+            on_train_state=gate.set_training,  # hold new requests while a step trains (if set)
         )
+        if rollout is not None and trainer.rollouts is not None:  # routed by a decision once written
+            trainer.rollouts.on_decision = rollout.refresh
     siblings = sibling_service(settings, backend, policies, hosted_specs, metrics)
-    if siblings is not None:
-        services.append(siblings)
-    if rollout is not None:
-        services.insert(0, rollout)
-        if controller is not None:  # this replica routes by a decision as soon as it is written
-            controller.on_decision = rollout.refresh
+    services = tuple(s for s in (rollout, init, trainer, siblings) if s is not None)  # started in order
     state = ProxyState(
         settings=settings,
         backend=backend,
         policies=policies,
         gate=gate,
         metrics=metrics,
-        services=tuple(services),
+        services=services,
         hosted_specs=hosted_specs,
     )
     metrics.registry.register(state.keys)  # requests, tokens and refusals per app key
@@ -356,20 +331,11 @@ def build_app(settings: Settings, backend: Backend | None = None) -> ErrorShapes
     return asgi
 
 
-# The read routes the dashboard's page calls (`routes_runs`), served by `rlproxy dashboard`.
-READONLY_ROUTES: tuple[tuple[str, str], ...] = (
-    ("/v1/runs", "list_runs"),
-    ("/v1/runs/stats", "run_stats"),  # before /v1/runs/{run_id}
-    ("/v1/runs/{run_id}", "get_run"),
-    ("/v1/training/steps", "training_steps"),
-)
-
-
 def build_readonly_app(settings: Settings) -> Limits:
     """What `rlproxy dashboard` serves: the dashboard on the store at `settings.db_url`, read-only.
 
     No model, no trainer, no OpenAI routes and no writer: the page, its scripts and the GET routes
-    it reads (`READONLY_ROUTES`, the same functions `serve` routes), on an engine the database
+    it reads (the same functions `serve` routes), on an engine the database
     itself refuses writes on (`queries.open_readonly`). Any other path is 404, any other method
     405. The admin key, Host and Origin checks are `serve`'s (`Guard`).
     """
@@ -393,8 +359,13 @@ def build_readonly_app(settings: Settings) -> Limits:
     )
     api.state.proxy = state
     errors.install(api)
-    for path, name in READONLY_ROUTES:
-        api.add_api_route(path, getattr(routes_runs, name), methods=["GET"])
+    for path, route in (  # the read routes the page calls
+        ("/v1/runs", routes_runs.list_runs),
+        ("/v1/runs/stats", routes_runs.run_stats),  # before /v1/runs/{run_id}
+        ("/v1/runs/{run_id}", routes_runs.get_run),
+        ("/v1/training/steps", routes_runs.training_steps),
+    ):
+        api.add_api_route(path, route, methods=["GET"])
     api.add_api_route("/v1/admin/untagged", routes_untagged.list_untagged, methods=["GET"])
 
     async def healthz() -> dict[str, str]:
@@ -421,7 +392,5 @@ def _front(app, principals: Principals, settings: Settings) -> Limits:
             allowed_hosts=allowed_host_names(settings.allowed_hosts, settings.host),
             cors_origins=tuple(o.strip() for o in settings.cors_origins.split(",") if o.strip()),
         ),
-        settings.max_body_bytes,
-        settings.max_reward_body_bytes,
-        settings.max_concurrent_requests,
+        settings.group(LimitsSettings),
     )

@@ -6,10 +6,11 @@ them all, so every name stays flat (`settings.judge_model`, `RLPROXY_JUDGE_MODEL
 needs one concern is handed its group: `settings.group(JudgeSettings)` for the judge,
 `settings.group(TrainerConfig)` for the trainer (what is saved with every step).
 
-This module is below everything and imports nothing of ours at load time: the trainer's group lives
-here, and `trainer/config.py` builds its `TrainerConfig` on it (the trainer reads the settings, the
-settings never read the trainer). docs/configuration.md's tables are `settings_markdown()`, one per
-group (a test keeps them in sync).
+This module is below everything and imports nothing of ours: the trainer's group lives here, and
+`trainer/config.py` builds its `TrainerConfig` on it (the trainer reads the settings, the settings
+never read the trainer); the parsers of setting strings that validators check (`report_to`,
+`rollout`) live here too. docs/configuration.md's tables are `settings_markdown()`, one per group
+(a test keeps them in sync).
 
 This file is over 400 lines because it is the one place every setting is written, with its units:
 each group is a short class, and splitting them into files would only scatter the one list.
@@ -40,6 +41,22 @@ def parse_report_to(value: str | None) -> list[str]:
     if unknown:
         raise ValueError(f"unknown tracker(s) {unknown}; report_to takes {', '.join(TRACKERS)}")
     return list(dict.fromkeys(names))
+
+
+def parse_rollout(spec: str) -> dict[str, str]:
+    """The `rollout` setting -> {policy or "*": mode}: `"canary"` = {"*": "canary"};
+    `"agent=canary,*=immediate"` per policy. Raises ValueError on an unknown mode or a bad entry."""
+    out: dict[str, str] = {}
+    for item in (spec or "immediate").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, mode = item.rpartition("=") if "=" in item else ("*", "=", item)
+        name, mode = name.strip(), mode.strip()
+        if not sep or not name or mode not in ("immediate", "canary"):
+            raise ValueError(f"rollout entry {item!r}: want immediate, canary or policy=immediate|canary")
+        out[name] = mode
+    return out
 
 
 class ServerSettings(BaseModel):
@@ -607,10 +624,7 @@ class RolloutSettings(BaseModel):
     @field_validator("rollout")
     @classmethod
     def _rollout_modes(cls, value: str) -> str:
-        # at validation only: storage sits above the settings, which import nothing of ours at load
-        from rlproxy.storage.rollouts import parse_modes
-
-        parse_modes(value)  # a ValueError names the bad entry
+        parse_rollout(value)  # a ValueError names the bad entry
         return value
 
 

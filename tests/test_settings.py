@@ -10,7 +10,7 @@ import pytest
 
 from rlproxy.settings import GROUPS, JudgeSettings, Settings, TrainerSettings
 from rlproxy.trainer.config import TrainerConfig
-from rlproxy.trainer.judge import JudgeConfig
+from rlproxy.trainer.judge import Judge
 
 
 def test_every_field_is_in_exactly_one_group_in_the_docs_order() -> None:
@@ -22,7 +22,10 @@ def test_every_field_is_in_exactly_one_group_in_the_docs_order() -> None:
 
 def test_the_settings_import_nothing_of_ours() -> None:
     """settings.py is below everything: importing it loads no other rlproxy module."""
-    code = "import sys, rlproxy.settings; print(sorted(m for m in sys.modules if m.startswith('rlproxy.')))"
+    code = (
+        "import sys, rlproxy.settings; rlproxy.settings.Settings(rollout='a=canary'); "
+        "print(sorted(m for m in sys.modules if m.startswith('rlproxy.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['rlproxy.settings']"
 
@@ -45,39 +48,15 @@ def test_trainer_config_is_the_trainer_group() -> None:
     assert not hasattr(config, "api_key")  # a step's saved config holds no secrets
 
 
-def test_the_judge_gets_its_group_whole() -> None:
-    """Every judge setting reaches JudgeConfig (the hand copy it replaced named each one)."""
-    s = Settings(
-        judge="always",
-        judge_policies="a=off,b=missing",
-        judge_base_url="http://j/v1",
-        judge_model="jm",
-        judge_api_key="jk",
-        judge_rubric="r",
-        judge_rubrics={"p": "rp"},
-        judge_max_attempts=5,
-        judge_max_tokens=64,
-        judge_temperature=0.5,
-        judge_timeout=9.0,
-        judge_max_chars=300,
-    )
-    config = JudgeConfig.of(s.group(JudgeSettings))
-    assert config == JudgeConfig(
-        mode="always",
-        policies={"a": "off", "b": "missing"},
-        base_url="http://j/v1",
-        model="jm",
-        api_key="jk",
-        rubric="r",
-        rubrics={"p": "rp"},
-        max_attempts=5,
-        max_tokens=64,
-        temperature=0.5,
-        timeout=9.0,
-        max_chars=300,
-    )
-    assert not config.off
-    assert JudgeConfig.of(Settings(judge="off").group(JudgeSettings)).off
-    assert not JudgeConfig.of(Settings(judge="off", judge_policies="a=always").group(JudgeSettings)).off
+def test_the_judge_takes_its_group_whole() -> None:
+    """The judge reads its settings group itself: no field copied under another name."""
+    group = Settings(judge="always", judge_policies="a=off", judge_rubrics={"p": "rp"}).group(JudgeSettings)
+    judge = Judge(group)
+    assert judge.settings == group and judge.policies == {"a": "off"}
+    assert [judge.mode_of("a"), judge.mode_of("x")] == ["off", "always"]
+    assert [judge.rubric_of("p"), judge.rubric_of("q", "asked")] == ["rp", "asked"]
+    assert not judge.off
+    assert Judge(JudgeSettings(judge="off")).off
+    assert not Judge(JudgeSettings(judge="off", judge_policies="a=always")).off
     with pytest.raises(ValueError, match="judge_policies"):
-        JudgeConfig.of(Settings(judge_policies="nonsense").group(JudgeSettings))
+        Judge(JudgeSettings(judge_policies="nonsense"))

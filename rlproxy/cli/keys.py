@@ -1,6 +1,6 @@
 """`rlproxy keys`: an app's key per app — create, list, revoke (issue 55; docs/tenancy.md, docs/cli.md).
 
-Registered on the main app by the import at the end of `rlproxy/cli/main.py`. The keys live in the
+Registered on the app by the import at the end of `rlproxy/cli/main.py`. The keys live in the
 store's `keys` table (storage/keys.py), so every `serve` replica on that store reads them: a key
 created or revoked here is in force on each of them within 2 s (proxy/keys.py TTL_S). The secret is
 printed once, by `create`, and never stored (only its sha256).
@@ -13,9 +13,8 @@ from typing import Annotated, Any
 
 import typer
 
-from rlproxy.cli.main import DbOpt, make_settings
-from rlproxy.cli.main import app as main_app
-from rlproxy.cli.options import ENV_NOTE, field_default
+from rlproxy.cli.options import ENV_NOTE, DbOpt, field_default, make_settings
+from rlproxy.cli.options import app as main_app
 from rlproxy.cli.output import print_table
 from rlproxy.storage import db as dbm
 from rlproxy.storage import keys as store

@@ -1,4 +1,5 @@
-"""How the `rlproxy` command line is made: options generated from the settings, and errors as one line.
+"""How the `rlproxy` command line is made: options generated from the settings, errors as one line,
+and the app every command module registers on, with what several commands share.
 
 `setting(name, ...)` makes the typer Option of a settings field: its help is the field's description
 (escaped, so that rich's help formatter shows `[::1]` and `[env var: ...]` as written), it reads
@@ -6,20 +7,28 @@
 table. `CleanErrors` is the root command: a user's mistake anywhere below it (a bad option, a
 missing database, bad SQL) ends with one `error: ...` line on stderr and exit 2 (usage) or 1
 (the rest); `rlproxy --debug ...` lets the traceback through.
+
+`app` is the root command; the command modules (`main.py`, `offline.py`, `read.py`, `demo_cmd.py`,
+`settings_cmd.py`, `keys.py`, `rollout.py`) add their commands to it, and `main.py` imports them
+all. `make_settings` turns a command's options into `Settings`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import inspect
+import logging
 import types
 import typing
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import ValidationError
 from rich.markup import escape
+from sqlalchemy.exc import SQLAlchemyError
 from typer.core import TyperGroup, TyperOption
 
 try:  # typer >= 0.2x carries its own copy of click
@@ -30,7 +39,10 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import get_current_context
 
 from rlproxy.errors import RLProxyError
-from rlproxy.settings import Settings
+from rlproxy.logsetup import quiet_third_party
+from rlproxy.settings import GROUPS, Settings
+from rlproxy.storage import queries
+from rlproxy.storage.db import normalize_url
 
 ENV_NOTE = escape(
     "Every setting is read from its RLPROXY_* variable when its option is not given (the command "
@@ -45,8 +57,6 @@ def _first_line(exc: BaseException) -> str:
 
 def describe(exc: BaseException) -> str:
     """One line that says what went wrong, for an error a user caused or can fix."""
-    from sqlalchemy.exc import SQLAlchemyError
-
     if isinstance(exc, RLProxyError | ValueError):
         return _first_line(exc)
     if isinstance(exc, OSError) and exc.strerror:
@@ -144,8 +154,9 @@ def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
 
     Each is made by `setting()` (the field's help, `RLPROXY_<NAME>`, its default shown) and defaults
     shows the setting's default; only the options given (on the command line or by their variable)
-    reach the command, as a dict in its `settings_given` parameter (which is not an option), to merge
-    into `make_settings`. `skip`: settings left out.
+    reach the command, as a dict in its `settings_given` parameter (which is not an option), for
+    `make_settings`, with the values of the command's own options that set a setting (`db`: db_url).
+    `skip`: settings left out.
     """
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -157,12 +168,14 @@ def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
             if p.name != "settings_given"
         ]
         taken = set(skip) | {p.name for p in own}
-        for i, p in enumerate(own):  # what an explicit option sets (`db` sets db_url) is taken too
+        sets: dict[str, str] = {}  # own option -> the setting it sets (`db` sets db_url: taken too)
+        for i, p in enumerate(own):
             metas = list(getattr(p.annotation, "__metadata__", ()))
             for j, meta in enumerate(metas):
                 envvar = getattr(meta, "envvar", None)
                 if isinstance(envvar, str) and envvar.startswith("RLPROXY_"):
-                    taken.add(envvar.removeprefix("RLPROXY_").lower())
+                    sets[p.name] = envvar.removeprefix("RLPROXY_").lower()
+                    taken.add(sets[p.name])
                     metas[j] = copy.copy(meta)  # shared by other commands (DbOpt): a copy
                     metas[j].show_envvar = False  # short --help: the epilog says it once; --help-all shows it
             if metas:
@@ -215,6 +228,7 @@ def settings_flags(*, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
             given = {
                 k: v for k, v in given.items() if ctx is None or ctx.get_parameter_source(k).name != "DEFAULT"
             }
+            given.update({sets[n]: kwargs[n] for n in sets if n in kwargs})  # own options: always
             return fn(*args, settings_given=given, **kwargs)
 
         keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
@@ -240,8 +254,6 @@ def _help_all(ctx: typer.Context, value: bool) -> None:
 
 def _group_of(name: str) -> str:
     """The title of the settings group that holds field `name` ("Trainer", "Store", ...)."""
-    from rlproxy.settings import GROUPS
-
     return next((title for title, cls in GROUPS if name in cls.model_fields), "other")
 
 
@@ -259,3 +271,92 @@ if _display_type is not None:
         return None if self.is_flag else _display_type(self, ctx)
 
     TyperOption.display_type_rich = _no_bool_type  # type: ignore[method-assign]
+
+
+# --- the app every command registers on, and what several commands share ------------------------
+
+Backend = Literal["embedded", "vllm"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+app = typer.Typer(
+    cls=CleanErrors,
+    help="rlproxy: an OpenAI-compatible proxy that turns agent traffic into GRPO training.",
+    epilog=ENV_NOTE,
+    no_args_is_help=True,
+    add_completion=False,
+)
+db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
+models_app = typer.Typer(help="Built-in models.", no_args_is_help=True)
+runs_app = typer.Typer(help="Runs: a table of recent ones, or one in full (`runs show ID`).")
+app.add_typer(db_app, name="db")
+app.add_typer(models_app, name="models")
+app.add_typer(runs_app, name="runs", invoke_without_command=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"rlproxy {version('rlproxy')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks instead of one error line")] = False,
+) -> None:
+    """rlproxy: an OpenAI-compatible proxy that turns agent traffic into GRPO training."""
+
+
+# None when not given: the settings' default then, in data_dir (`RLPROXY_DATA_DIR`)
+DbOpt = Annotated[
+    str | None,
+    setting("db_url", "--db", help="SQLite file or PostgreSQL URL", metavar="URL", show_default="rlproxy.db"),
+]
+# `train` and `sft` load adapters into a server on the base model the server serves
+BaseModelOpt = Annotated[str, setting("model", help="the base model (same weights as the server's)")]
+
+
+def upstream_opt(help: str) -> Any:
+    """The `--upstream URL` option (repeatable: replicas), with what this command does with it."""
+    return Annotated[list[str] | None, setting("upstream", metavar="URL", help=help)]
+
+
+def make_settings(**options: Any) -> Settings:
+    """Settings from RLPROXY_* variables, overridden by the options that were given (not None)."""
+    given = {k: v for k, v in options.items() if v is not None}
+    try:
+        settings = Settings(**given)
+        return settings.model_copy(update={"db_url": normalize_url(settings.db_url)})
+    except ValidationError as exc:  # a bad RLPROXY_* variable, or a value no option type caught
+        problems = [
+            f"{e['loc'][0]} (RLPROXY_{str(e['loc'][0]).upper()}): {e['msg']}, got {e.get('input')!r}"
+            if e.get("loc")
+            else e["msg"]
+            for e in exc.errors()
+        ]
+        raise typer.BadParameter("; ".join(problems)) from None
+
+
+def setup_logging(level: str) -> None:
+    """The log lines of a command, at `level`."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per adapter/health call is noise
+    quiet_third_party(level)  # Alembic INFO, progress bars, FutureWarnings: at WARNING or off
+
+
+def read_store(db: str, fn: Any, *, check: bool = True, timeout: float | None = None) -> Any:
+    """`await fn(engine)` on a read-only engine on the store `db` (checked to be rlproxy's)."""
+    url = make_settings(db_url=db).db_url
+
+    async def go() -> Any:
+        engine_ = await queries.open_readonly(url, statement_timeout_s=timeout, check=check)
+        try:
+            return await fn(engine_)
+        finally:
+            await engine_.dispose()
+
+    return asyncio.run(go())

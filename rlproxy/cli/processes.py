@@ -13,27 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import resource
+import signal
+import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from rlproxy.compose import (
-    build_app,
-    build_readonly_app,
-    init_adapter,
-    make_judge,
-    make_shadow,
-    trainer_config,
-)
+from rlproxy.compose import build_app, build_readonly_app, init_adapter, make_backend, make_trainer
 from rlproxy.errors import TrainerError
 from rlproxy.inference.models import resolve_model
-from rlproxy.inference.vllm import VLLMBackend
 from rlproxy.logsetup import quiet_third_party
 from rlproxy.proxy import server as http_server
-from rlproxy.settings import JudgeSettings, Settings
+from rlproxy.settings import Settings
 from rlproxy.storage import db
+from rlproxy.trainer.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +44,8 @@ async def run_sft(settings: Settings, policy: str, **options: Any) -> dict[str, 
 
     url = db.normalize_url(settings.db_url)
     await db.upgrade_async(url)
-    backend = None
-    if settings.upstream:
-        backend = VLLMBackend(
-            settings.model,
-            cache_dir=Path(settings.cache_dir).expanduser(),
-            upstream=settings.upstream,
-            api_key=settings.upstream_api_key,
-        )
+    backend = make_backend(settings) if settings.upstream else None  # attached: VLLMBackend
+    if backend is not None:
         await backend.start()
     try:
         model_path = (
@@ -66,7 +56,7 @@ async def run_sft(settings: Settings, policy: str, **options: Any) -> dict[str, 
         file = options.pop("file", None)
         return await sft_step(
             url,
-            trainer_config(settings),
+            settings.group(TrainerConfig),
             str(model_path),
             policy,
             file=str(file) if file else None,
@@ -84,13 +74,11 @@ async def fork(settings: Settings, source: str, new_policy: str) -> Any:
 
     url = db.normalize_url(settings.db_url)
     await db.upgrade_async(url)
-    return await fork_policy(url, trainer_config(settings), source, new_policy)
+    return await fork_policy(url, settings.group(TrainerConfig), source, new_policy)
 
 
 def _raise_open_files(wanted: int) -> None:
     """Raise the soft open-files limit toward `wanted` (at most the hard one): the cap binds, not EMFILE."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     if soft != resource.RLIM_INFINITY and soft < target:
@@ -188,19 +176,8 @@ async def run_trainer(settings: Settings, ranks: Any = None) -> None:
     With `ranks` (rank 0 of a `--nproc N` job, trainer/distributed.py) each step runs on every rank,
     and stopping tells the other ranks to exit.
     """
-    import signal
-
-    from rlproxy.trainer.rollout import controller_from  # lazy: torch
-    from rlproxy.trainer.service import TrainerService  # lazy: torch
-
-    url = db.normalize_url(settings.db_url)
-    await db.upgrade_async(url)
-    backend = VLLMBackend(
-        settings.model,
-        cache_dir=Path(settings.cache_dir).expanduser(),
-        upstream=settings.upstream,
-        api_key=settings.upstream_api_key,
-    )
+    await db.upgrade_async(db.normalize_url(settings.db_url))
+    backend = make_backend(settings)  # attached to `settings.upstream` (the command requires it)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -214,16 +191,8 @@ async def run_trainer(settings: Settings, ranks: Any = None) -> None:
             leader.model_path = backend.model_path  # the base model the ranks load, as rank 0 does
         if settings.init_adapter:
             await init_adapter(settings, backend, backend.served_model)
-        service = TrainerService(
-            trainer_config(settings),
-            url,
-            backend,
-            judge=make_judge(settings.group(JudgeSettings), backend),
-            train_fn=leader.train_step if leader is not None else None,
-            rollouts=controller_from(settings),  # canary rollouts are judged where the trainer runs
-            siblings_weight=settings.siblings_weight,
-            shadow=make_shadow(settings, backend),  # a new step's check before it serves (trainer/shadow.py)
-        )
+        # canary rollouts are judged where the trainer runs
+        service = make_trainer(settings, backend, train_fn=leader.train_step if leader is not None else None)
         try:
             await service.start()
             logger.info("trainer running against %s; SIGTERM to stop", settings.upstream)
@@ -249,9 +218,6 @@ def launch_trainer(settings: Settings) -> None:
     checkpoint (trainer/distributed.py). SIGTERM reaches every rank: rank 0 finishes its step, then
     tells the others to exit (the agent kills what is left after 30 s; crash-safe either way).
     """
-    import os
-    import sys
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -289,15 +255,12 @@ def launch_trainer(settings: Settings) -> None:
 def train_worker() -> None:
     """One rank of `rlproxy train --nproc N` (started by `launch_trainer`): rank 0 runs the trainer
     service, the others follow its steps."""
-    import logging as logging_
-    import os
-
     from rlproxy.trainer import distributed  # lazy: torch
 
     settings = Settings.model_validate_json(os.environ[TRAIN_JOB_ENV])
     rank = os.environ.get("RANK", "?")
-    logging_.basicConfig(
-        level=logging_.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"
     )
     quiet_third_party("info")
     ranks = distributed.init()
@@ -305,6 +268,6 @@ def train_worker() -> None:
         if ranks.leader:
             asyncio.run(run_trainer(settings, ranks))
         else:
-            distributed.follow(ranks, trainer_config(settings))
+            distributed.follow(ranks, settings.group(TrainerConfig))
     finally:
         distributed.shutdown()

@@ -1,7 +1,7 @@
 """The read commands: `rlproxy runs` (and `runs show ID`), `steps`, `sql` and `export`, each on a
 read-only engine on the store (`queries.open_readonly`), nothing written.
 
-Registered on the main app by the import in `rlproxy/cli/main.py` (where they always stood in
+Registered on the app by the import in `rlproxy/cli/main.py` (where they always stood in
 `rlproxy --help`), like `rollout.py`. Output formats are `output.py`'s.
 """
 
@@ -14,13 +14,14 @@ from typing import Annotated, Any, Literal
 import typer
 
 from rlproxy.cli import output as cli_output
-from rlproxy.cli.main import DbOpt, LimitOpt, _read, app, runs_app
-from rlproxy.cli.options import ENV_NOTE, field_default, setting
+from rlproxy.cli.options import ENV_NOTE, DbOpt, app, field_default, read_store, runs_app, setting
 from rlproxy.cli.output import print_table, run_lines, safe
 from rlproxy.storage import export as exporter
 from rlproxy.storage import queries
 from rlproxy.storage import untagged as untagged_store
 from rlproxy.storage.models import RunStatus
+
+LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="rows to show (1-1000)")]
 
 
 @runs_app.callback(epilog=ENV_NOTE)
@@ -46,7 +47,7 @@ def runs(
             raise typer.BadParameter(
                 "--status is a run's: untagged requests have none", param_hint="--untagged"
             )
-        found, _ = _read(db, lambda e: untagged_store.list_untagged(e, limit=limit))
+        found, _ = read_store(db, lambda e: untagged_store.list_untagged(e, limit=limit))
         cols = [
             "reply_id",
             "created_at",
@@ -64,7 +65,7 @@ def runs(
         listed = await queries.list_runs(e, status=status.value if status else None, limit=limit)
         return listed[0], (await untagged_store.count_untagged(e)) if status is None else 0
 
-    found, n_untagged = _read(db, both)
+    found, n_untagged = read_store(db, both)
     cols = ["id", "group_id", "policy", "status", "reward", "n_completions", "trained_step", "created_at"]
     for r in found:  # why a run was skipped or failed (zero_variance, ...), as SQL's status_reason says
         if r.get("status_reason"):
@@ -84,7 +85,7 @@ def runs_show(
     json_out: Annotated[bool, typer.Option("--json", help="the run as one JSON object")] = False,
 ) -> None:
     """One run in full: its conversation, tool calls, token counts per completion, reward, status."""
-    run = _read(db, lambda e: queries.get_run(e, run_id))
+    run = read_store(db, lambda e: queries.get_run(e, run_id))
     if run is None:
         typer.echo(f"error: no run {run_id!r} in this database (`rlproxy runs` lists them)", err=True)
         raise typer.Exit(1)
@@ -106,7 +107,7 @@ def steps(
 ) -> None:
     """The newest training steps: reward mean ± std, validation reward (best: the checkpoint kept for it),
     loss, KL, clip fractions, grad norm, lag, tokens/s."""
-    rows = _read(db, lambda e: queries.step_table(e, policy=policy, limit=limit))
+    rows = read_store(db, lambda e: queries.step_table(e, policy=policy, limit=limit))
     if json_out:
         cols = list(rows[0]) if rows else []
         cli_output.print_json_lines(cols, [[r.get(c) for c in cols] for r in rows])
@@ -152,7 +153,7 @@ def sql(
     text = _query_text(query, file)
     if not text.strip():
         raise typer.BadParameter("the query is empty")
-    cols, rows = _read(db, lambda e: queries.run_sql(e, text), check=False, timeout=timeout)
+    cols, rows = read_store(db, lambda e: queries.run_sql(e, text), check=False, timeout=timeout)
     if json_lines:
         cli_output.print_json_lines(cols, rows)
     elif csv_out:
@@ -189,5 +190,5 @@ def export(
     if out.exists() and out.is_dir() and fmt == "hf":
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    n = _read(db, lambda e: exporter.write(e, fmt, out, where))
+    n = read_store(db, lambda e: exporter.write(e, fmt, out, where))
     typer.echo(f"wrote {n} run{'' if n == 1 else 's'} to {out} ({fmt})")

@@ -1,6 +1,6 @@
 """`rlproxy rollout`: canary rollouts by hand — status, promote, rollback (issue 28; docs/rollout.md).
 
-Registered on the main app by the import at the end of `rlproxy/cli/main.py`. `status` reads the
+Registered on the app by the import at the end of `rlproxy/cli/main.py`. `status` reads the
 `rollouts` table (and, for open rollouts, the live arms of the `rollout_runs` view) read-only;
 `promote` and `rollback` close an open rollout the way the rule would (the same conditional UPDATE:
 the rule and a person can never both decide one candidate). The trainer then does the rest (a
@@ -15,9 +15,8 @@ from typing import Annotated, Any
 
 import typer
 
-from rlproxy.cli.main import DbOpt, make_settings
-from rlproxy.cli.main import app as main_app
-from rlproxy.cli.options import ENV_NOTE
+from rlproxy.cli.options import ENV_NOTE, DbOpt, make_settings
+from rlproxy.cli.options import app as main_app
 from rlproxy.cli.output import print_table
 from rlproxy.storage import db as dbm
 from rlproxy.storage import queries

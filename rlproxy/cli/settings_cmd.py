@@ -12,8 +12,7 @@ from typing import Annotated
 
 import typer
 
-from rlproxy.cli.main import app
-from rlproxy.cli.options import default_text
+from rlproxy.cli.options import app, default_text
 from rlproxy.settings import GROUPS
 
 

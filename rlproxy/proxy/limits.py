@@ -21,6 +21,7 @@ import logging
 from rlproxy.errors import APIError
 from rlproxy.proxy.errors import error_body, send_json
 from rlproxy.proxy.rules import ROUTE_RULES, Rules
+from rlproxy.settings import LimitsSettings
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +37,13 @@ def too_large(limit: int, declared: int | None = None) -> APIError:
 class Limits:
     """ASGI: body size per route and requests in flight (see the module doc)."""
 
-    def __init__(
-        self, app, max_body: int, max_reward_body: int, max_in_flight: int, rules: Rules = ROUTE_RULES
-    ) -> None:
+    def __init__(self, app, limits: LimitsSettings, rules: Rules = ROUTE_RULES) -> None:
         self.app = app
         self.is_reward_body = rules.is_reward_body
         self.uncapped = rules.uncapped
-        self.max_body = max_body
-        self.max_reward_body = max_reward_body
-        self.max_in_flight = max_in_flight
+        self.max_body = limits.max_body_bytes
+        self.max_reward_body = limits.max_reward_body_bytes
+        self.max_in_flight = limits.max_concurrent_requests
         self.in_flight = 0
         self.started = 0  # requests begun, ever (`busy`)
         self._seen = 0

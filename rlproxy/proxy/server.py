@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_plus
 
@@ -42,7 +41,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from rlproxy.proxy.errors import error_body
 from rlproxy.proxy.limits import RETRY_AFTER_S
-from rlproxy.settings import Settings
+from rlproxy.settings import LimitsSettings, Settings
 
 logger = logging.getLogger(__name__)
 ACCESS_LOGGER = logging.getLogger("rlproxy.access")
@@ -73,29 +72,6 @@ class _RedactQuery(logging.Filter):
 
 
 ACCESS_LOGGER.addFilter(_RedactQuery())
-
-
-@dataclass(frozen=True)
-class ConnLimits:
-    """The per-connection limits (see the module doc; units: bytes, seconds)."""
-
-    max_header_bytes: int = 64 * 1024
-    max_headers: int = 100
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0
-    max_connections: int = 2048
-    access_log: bool = True
-
-    @classmethod
-    def of(cls, settings: Settings, access_log: bool) -> ConnLimits:
-        return cls(
-            max_header_bytes=settings.max_header_bytes,
-            max_headers=settings.max_headers,
-            header_timeout=settings.header_timeout,
-            body_timeout=settings.body_timeout,
-            max_connections=settings.max_connections,
-            access_log=access_log,
-        )
 
 
 HANGUP = "rlproxy.hangup"  # the scope's extensions key of the connection's `Hangup`
@@ -167,12 +143,13 @@ class _Refused(Exception):
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with head/body limits and deadlines (see the module doc)."""
 
-    limits: ConnLimits = ConnLimits()
+    limits: LimitsSettings = LimitsSettings()  # the settings' group: bounds per connection (bytes, s)
+    log_access = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.access_logger = ACCESS_LOGGER
-        self.access_log = self.limits.access_log
+        self.access_log = self.log_access
         self._in_head = True  # between requests or reading a head: bytes count against the head size
         self._head_bytes = 0
         self._n_headers = 0
@@ -385,9 +362,10 @@ def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "client"
 
 
-def protocol_class(limits: ConnLimits) -> type[LimitedHttpToolsProtocol]:
+def protocol_class(limits: LimitsSettings, access_log: bool) -> type[LimitedHttpToolsProtocol]:
     """The protocol class uvicorn instantiates per connection, bound to `limits`."""
-    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+    bound = {"limits": limits, "log_access": access_log}
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), bound)
 
 
 def config(
@@ -397,7 +375,7 @@ def config(
     options: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,
-        "http": protocol_class(ConnLimits.of(settings, access_log)),
+        "http": protocol_class(settings.group(LimitsSettings), access_log),
         "access_log": access_log,
         "proxy_headers": False,  # X-Forwarded-* rewriting: unused here, and it runs on every request
         "log_level": log_level,

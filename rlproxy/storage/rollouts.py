@@ -299,25 +299,7 @@ async def step_paths(engine: AsyncEngine, policy: str, steps: list[int]) -> dict
         return {int(s): p for s, p in (await conn.execute(q)).all()}
 
 
-# ------------------------------------------------------------------ modes (the `rollout` setting)
-
-MODES = ("immediate", "canary")
-
-
-def parse_modes(spec: str) -> dict[str, str]:
-    """`rollout` setting -> {policy or "*": mode}: `"canary"` = {"*": "canary"};
-    `"agent=canary,*=immediate"` per policy. Raises ValueError on an unknown mode or a bad entry."""
-    out: dict[str, str] = {}
-    for item in (spec or "immediate").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, sep, mode = item.rpartition("=") if "=" in item else ("*", "=", item)
-        name, mode = name.strip(), mode.strip()
-        if not sep or not name or mode not in MODES:
-            raise ValueError(f"rollout entry {item!r}: want immediate, canary or policy=immediate|canary")
-        out[name] = mode
-    return out
+# ------------------------------------------- modes (the `rollout` setting: settings.parse_rollout)
 
 
 def mode_of(modes: dict[str, str], policy: str) -> str:

@@ -49,44 +49,6 @@ class JudgeUnavailable(RuntimeError):
     """The judge could not be asked (connection error, timeout, 429 or 5xx): its groups wait."""
 
 
-@dataclass
-class JudgeConfig:
-    """The judge's settings (Settings.judge_*; see settings.py for each one's meaning)."""
-
-    mode: Mode = "missing"
-    policies: dict[str, Mode] = field(default_factory=dict)  # per-policy mode overrides
-    base_url: str | None = None  # None: the upstream's (resolved at the first call)
-    model: str | None = None
-    api_key: str | None = None
-    rubric: str | None = None
-    rubrics: dict[str, str] = field(default_factory=dict)
-    max_attempts: int = 3
-    max_tokens: int = 1024
-    temperature: float = 0.0
-    timeout: float = 120.0
-    max_chars: int = 4000
-
-    @classmethod
-    def of(cls, group: JudgeSettings) -> JudgeConfig:
-        """From the settings' judge group: `judge_<name>` is `<name>`, `judge` the mode (ValueError on a
-        bad `judge_policies` entry)."""
-        values = {name.removeprefix("judge_"): getattr(group, name) for name in JudgeSettings.model_fields}
-        mode = values.pop("judge")
-        policies = parse_policy_modes(values.pop("policies"))
-        return cls(mode=mode, policies=policies, **{**values, "rubrics": dict(values["rubrics"])})
-
-    @property
-    def off(self) -> bool:
-        """Off for every policy: no judge is needed."""
-        return self.mode == "off" and all(m == "off" for m in self.policies.values())
-
-    def mode_of(self, policy: str) -> Mode:
-        return self.policies.get(policy, self.mode)
-
-    def rubric_of(self, policy: str, requested: str | None = None) -> str:
-        return requested or self.rubrics.get(policy) or self.rubric or DEFAULT_RUBRIC
-
-
 def parse_policy_modes(text: str) -> dict[str, Mode]:
     """`judge_policies`: "a=always,b=off" -> {"a": "always", "b": "off"}; ValueError on a bad entry."""
     out: dict[str, Mode] = {}
@@ -122,15 +84,17 @@ class Judge:
 
     def __init__(
         self,
-        config: JudgeConfig,
+        settings: JudgeSettings,
         resolve: Callable[[], Endpoint] | None = None,
         on_call: Callable[[str, float, int, int], None] | None = None,
         on_group: Callable[[str], None] | None = None,
     ) -> None:
-        """`resolve()` names the default endpoint (the upstream) when config has no base URL or model;
+        """`settings`: the settings' judge group (ValueError on a bad `judge_policies` entry).
+        `resolve()` names the default endpoint (the upstream) when they name no base URL or model;
         `on_call(outcome, seconds, prompt_tokens, completion_tokens)` sees every call and
         `on_group(outcome)` every group scored or failed (the proxy's /metrics)."""
-        self.config = config
+        self.settings = settings
+        self.policies = parse_policy_modes(settings.judge_policies)  # per-policy mode overrides
         self.resolve = resolve
         self.on_call = on_call
         self.on_group = on_group
@@ -140,14 +104,27 @@ class Judge:
         self._retry_at = 0.0  # time.monotonic() before which an unreachable judge is not asked
         self._backoff = 1.0
 
+    @property
+    def off(self) -> bool:
+        """Off for every policy: no judge is needed."""
+        return self.settings.judge == "off" and all(m == "off" for m in self.policies.values())
+
+    def mode_of(self, policy: str) -> Mode:
+        return self.policies.get(policy, self.settings.judge)
+
+    def rubric_of(self, policy: str, requested: str | None = None) -> str:
+        s = self.settings
+        return requested or s.judge_rubrics.get(policy) or s.judge_rubric or DEFAULT_RUBRIC
+
     def endpoint(self) -> Endpoint:
-        c = self.config
-        default = self.resolve() if self.resolve is not None and not (c.base_url and c.model) else None
-        base = c.base_url or (default[0] if default else None)
-        model = c.model or (default[1] if default else None)
+        s = self.settings
+        given = s.judge_base_url and s.judge_model
+        default = self.resolve() if self.resolve is not None and not given else None
+        base = s.judge_base_url or (default[0] if default else None)
+        model = s.judge_model or (default[1] if default else None)
         if not base or not model:
             raise JudgeUnavailable("no judge: set judge_base_url and judge_model")
-        key = c.api_key if c.base_url else (c.api_key or (default[2] if default else None))
+        key = s.judge_api_key if s.judge_base_url else (s.judge_api_key or (default[2] if default else None))
         return base.rstrip("/"), model, key
 
     async def close(self) -> None:
@@ -157,15 +134,14 @@ class Judge:
 
     async def judge_ready(self, engine: Any, *, group_size: int, group_timeout: float) -> int:
         """Judge every group that waits for the judge; returns the groups scored or failed."""
-        c = self.config
         if time.monotonic() < self._retry_at:
             return 0
         groups = await judge_groups(
-            engine, group_size=group_size, group_timeout=group_timeout, mode_of=c.mode_of
+            engine, group_size=group_size, group_timeout=group_timeout, mode_of=self.mode_of
         )
         done = 0
         for group in groups:
-            if c.mode_of(group.policy) == "off":  # completed for a judge that will never come
+            if self.mode_of(group.policy) == "off":  # completed for a judge that will never come
                 waiting = [r.run_id for r in group.runs if r.reward is None]
                 n = await mark_runs(engine, waiting, RunStatus.failed, StatusReason.judge_off)
                 log.warning(
@@ -191,19 +167,19 @@ class Judge:
     def needs_judge(self, policy: str, sources: list[str | None]) -> bool:
         """True for a ready group the judge must score first (judge=always and an app reward in it)."""
         # a sibling group (reward_source 'sibling') was scored by its own scorer: never judged again
-        return self.config.mode_of(policy) == "always" and any(s not in ("judge", "sibling") for s in sources)
+        return self.mode_of(policy) == "always" and any(s not in ("judge", "sibling") for s in sources)
 
     async def judge_group(self, engine: Any, group: JudgeGroup) -> list[tuple[float, str]] | None:
         """Score one group and store its scores; malformed answers max_attempts times mark it failed.
 
         Returns the scores, or None when the group was marked failed. Raises JudgeUnavailable when
         the judge cannot be asked (the group is left as it was)."""
-        c = self.config
+        s = self.settings
         requested = next((r.rubric for r in group.runs if r.rubric), None)
-        messages = build_messages(group, c.rubric_of(group.policy, requested), c.max_chars)
+        messages = build_messages(group, self.rubric_of(group.policy, requested), s.judge_max_chars)
         problem = ""
-        for attempt in range(1, c.max_attempts + 1):
-            temperature = c.temperature if attempt == 1 else max(c.temperature, RETRY_TEMPERATURE)
+        for attempt in range(1, s.judge_max_attempts + 1):
+            temperature = s.judge_temperature if attempt == 1 else max(s.judge_temperature, RETRY_TEMPERATURE)
             try:
                 scores = await self.ask(messages, len(group.runs), temperature)
             except JudgeOutputError as exc:
@@ -212,14 +188,14 @@ class Judge:
                     "judge: malformed answer for group %s (try %d/%d): %s",
                     group.group_id,
                     attempt,
-                    c.max_attempts,
+                    s.judge_max_attempts,
                     exc,
                 )
                 continue
             n = await store_scores(
                 engine,
                 {r.run_id: s for r, s in zip(group.runs, scores, strict=True)},
-                replace_app=c.mode_of(group.policy) == "always",
+                replace_app=self.mode_of(group.policy) == "always",
             )
             self._group("scored")
             log.info(
@@ -237,7 +213,7 @@ class Judge:
             group.group_id,
             group.policy,
             n,
-            c.max_attempts,
+            s.judge_max_attempts,
             problem,
         )
         return None
@@ -265,14 +241,14 @@ class Judge:
     ) -> tuple[str, float, dict[str, Any], str | None]:
         """One chat completion from the judge: (its text, seconds, usage, finish_reason). Raises
         JudgeUnavailable when it cannot answer (counted as an `error` call)."""
-        c = self.config
+        s = self.settings
         base, model, key = self.endpoint()
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=c.timeout)
+            self._client = httpx.AsyncClient(timeout=s.judge_timeout)
         body: dict[str, Any] = {
             "model": model,
             "messages": messages,
-            "max_tokens": c.max_tokens,
+            "max_tokens": s.judge_max_tokens,
             "temperature": temperature,
         }
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -286,7 +262,7 @@ class Judge:
                 resp = await self._client.post(f"{base}/chat/completions", json=body, headers=headers)
             except httpx.HTTPError as exc:
                 self._observe("error", time.perf_counter() - t0, {})
-                why = str(exc) or f"no answer within judge_timeout ({c.timeout:g} s)"
+                why = str(exc) or f"no answer within judge_timeout ({s.judge_timeout:g} s)"
                 raise JudgeUnavailable(f"{type(exc).__name__}: {why}") from exc
             seconds = time.perf_counter() - t0
             if resp.status_code == 400 and self._json_mode and "response_format" in resp.text:

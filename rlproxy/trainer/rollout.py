@@ -26,9 +26,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from rlproxy.settings import RolloutSettings
+from rlproxy.settings import RolloutSettings, parse_rollout
 from rlproxy.storage import rollouts as store
-from rlproxy.storage.rollouts import mode_of, parse_modes
+from rlproxy.storage.rollouts import mode_of
 from rlproxy.trainer.rollout_rule import decide
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class RolloutController:
     """Opens, judges and cleans up the canary rollouts of the policies in canary mode."""
 
     def __init__(self, rule: RolloutSettings) -> None:
-        self.modes = parse_modes(rule.rollout)
+        self.modes = parse_rollout(rule.rollout)
         self.fraction = rule.canary_fraction
         self.rule = rule
         self._last: dict[int, tuple[Any, ...]] = {}  # rollout id -> numbers last written (skip no-ops)
@@ -117,4 +117,4 @@ class RolloutController:
 def controller_from(settings: Any) -> RolloutController | None:
     """The controller for these settings (a Settings object), or None when no policy is in canary mode."""
     rule = settings.group(RolloutSettings)
-    return RolloutController(rule) if "canary" in parse_modes(rule.rollout).values() else None
+    return RolloutController(rule) if "canary" in parse_rollout(rule.rollout).values() else None

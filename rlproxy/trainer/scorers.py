@@ -32,21 +32,18 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httpx
 import jsonschema
 import referencing
 
 from rlproxy.errors import ConfigError, RLProxyError
-from rlproxy.settings import JudgeSettings
-from rlproxy.trainer.judge import RETRY_TEMPERATURE, Judge, JudgeConfig, JudgeUnavailable
+from rlproxy.settings import JudgeSettings, Settings
+from rlproxy.trainer.judge import RETRY_TEMPERATURE, Judge, JudgeUnavailable
 from rlproxy.trainer.judge_prompt import DEFAULT_TURN_RUBRIC, JudgeOutputError, build_turn_messages
 from rlproxy.wire import messages as wire_messages
 from rlproxy.wire import responses as wire_responses
-
-if TYPE_CHECKING:
-    from rlproxy.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -346,15 +343,17 @@ class JudgeScorer:
         self._failed: dict[str, None] = {}  # groups whose last call failed: asked again hotter
 
     async def score(self, req: ScoreRequest) -> list[float]:
-        c = self.judge.config
+        s = self.judge.settings
         chat = chat_form(req.request)
         conversation = chat.get("messages") if isinstance(chat.get("messages"), list) else []
         if not conversation and isinstance(chat.get("prompt"), str):
             conversation = [{"role": "prompt", "content": chat["prompt"]}]
-        rubric = c.rubrics.get(req.policy) or c.rubric or DEFAULT_TURN_RUBRIC
-        messages = build_turn_messages(conversation, req.candidates, rubric, c.max_chars, chat.get("tools"))
+        rubric = s.judge_rubrics.get(req.policy) or s.judge_rubric or DEFAULT_TURN_RUBRIC
+        messages = build_turn_messages(
+            conversation, req.candidates, rubric, s.judge_max_chars, chat.get("tools")
+        )
         retry = req.group_id in self._failed  # a greedy judge would repeat the same malformed answer
-        temperature = max(c.temperature, RETRY_TEMPERATURE) if retry else c.temperature
+        temperature = max(s.judge_temperature, RETRY_TEMPERATURE) if retry else s.judge_temperature
         try:
             scores = await self.judge.ask(messages, len(req.candidates), temperature)
         except (JudgeOutputError, JudgeUnavailable) as exc:
@@ -409,6 +408,6 @@ def build_scorer(settings: Settings, client: httpx.AsyncClient, judge: Judge | N
                 "scorer=judge needs a judge: set RLPROXY_JUDGE_BASE_URL and RLPROXY_JUDGE_MODEL "
                 "(the proxy passes its own judge, whose default is the upstream)"
             )
-        primary = JudgeScorer(judge or Judge(JudgeConfig.of(settings.group(JudgeSettings))))
+        primary = JudgeScorer(judge or Judge(settings.group(JudgeSettings)))
     w = settings.scorer_checks_weight
     return WithChecks(primary, w) if w > 0 else primary

@@ -11,9 +11,9 @@ import httpx
 from fastapi import FastAPI
 
 import rlproxy.proxy as proxy_pkg
-from rlproxy.compose import PUBLIC_PATHS
 from rlproxy.proxy import errors, routes_rollouts
 from rlproxy.proxy.auth import is_admin_path
+from rlproxy.proxy.rules import PUBLIC_PATHS
 from rlproxy.storage import rollouts as store
 from rlproxy.storage import shadow as shadow_store
 from rlproxy.storage.db import create_engine, upgrade

@@ -12,6 +12,9 @@ from rlproxy.proxy import dashboard
 from rlproxy.proxy.auth import Principals, Refusal, is_admin_path
 from rlproxy.proxy.limits import Limits
 from rlproxy.proxy.rules import ROUTE_RULES, RULES, Body, Rule, Rules, Who, rules_markdown
+from rlproxy.settings import LimitsSettings
+
+SMALL = LimitsSettings(max_body_bytes=2048, max_reward_body_bytes=1024)
 
 # The lists the rules replaced (auth.py, limits.py, dashboard.py, routes_rollouts.py, compose.py).
 OLD_ADMIN_PATHS = frozenset({"/v1/runs", "/v1/runs/stats", "/metrics"})
@@ -86,7 +89,7 @@ def test_rules_give_the_old_answers(path: str) -> None:
     assert ROUTE_RULES.is_public(path) == (path in OLD_PUBLIC)
     assert ROUTE_RULES.is_reward_body(path) == old_reward_body(path)
     assert ROUTE_RULES.is_capped(path) == (path not in OLD_EXEMPT)
-    assert Limits(None, 100, 10, 1).limit(path) == (10 if old_reward_body(path) else 100)
+    assert Limits(None, SMALL).limit(path) == (1024 if old_reward_body(path) else 2048)
 
 
 def test_rules_give_the_old_answers_on_every_short_path() -> None:
@@ -141,8 +144,8 @@ def test_principals_read_the_rules_they_are_given() -> None:
     with pytest.raises(Refusal) as refused:
         principals.check("/ops/x", b"Bearer agent")
     assert refused.value.status == 403
-    limits = Limits(None, 100, 10, 1, rules=Rules((Rule(("/small",), body=Body.REWARD),)))
-    assert limits.limit("/small") == 10 and limits.limit("/v1/runs/r/reward") == 100
+    limits = Limits(None, SMALL, rules=Rules((Rule(("/small",), body=Body.REWARD),)))
+    assert limits.limit("/small") == 1024 and limits.limit("/v1/runs/r/reward") == 2048
 
 
 def test_markdown_has_a_row_per_rule() -> None:

@@ -28,8 +28,9 @@ from support import free_port, rows, tiny_settings, uvicorn_serving, wait_for
 
 from rlproxy.compose import build_app
 from rlproxy.inference.embedded import EmbeddedBackend
+from rlproxy.settings import JudgeSettings
 from rlproxy.storage.training import ready_groups
-from rlproxy.trainer.judge import Judge, JudgeConfig
+from rlproxy.trainer.judge import Judge
 from rlproxy.trainer.judge_prompt import JudgeOutputError, parse_scores, render_trajectory
 
 
@@ -295,7 +296,7 @@ async def test_judge_always_replaces_app_rewards(engine: Any, add_run: Any) -> N
         await add_run(engine, f"a-{i}", reward=r, completions=[_messages("2+2?", str(3 + i))])
     await _set(engine, "UPDATE runs SET reward_source = 'app'")
     stub = StubJudge([scores_json([0.2, 0.8])])
-    judge = Judge(JudgeConfig(mode="always", base_url=stub.base_url, model="judge-model"))
+    judge = Judge(JudgeSettings(judge="always", judge_base_url=stub.base_url, judge_model="judge-model"))
     (ready,) = await ready_groups(engine, group_size=2, group_timeout=600)
     assert judge.needs_judge(ready.policy, ready.sources)  # the trainer leaves it to the judge first
     async with stub.serving():
@@ -317,7 +318,9 @@ async def test_unreachable_judge_leaves_the_group_waiting(engine: Any, add_run: 
     for i in range(2):
         await add_run(engine, f"w-{i}", reward=None, completions=[_messages("hi", "yo")])
     await _set(engine, "UPDATE runs SET reward_source = 'judge', completed_at = created_at")
-    judge = Judge(JudgeConfig(base_url=f"http://127.0.0.1:{free_port()}/v1", model="m"))  # nobody listens
+    judge = Judge(
+        JudgeSettings(judge_base_url=f"http://127.0.0.1:{free_port()}/v1", judge_model="m")
+    )  # nobody listens
     assert await judge.judge_ready(engine, group_size=2, group_timeout=600) == 0
     assert judge.stats.calls["error"] == 1
     assert await judge.judge_ready(engine, group_size=2, group_timeout=600) == 0  # backing off: not asked

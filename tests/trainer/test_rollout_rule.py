@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from rlproxy.settings import RolloutSettings
-from rlproxy.storage.rollouts import ArmRun, mode_of, parse_modes
+from rlproxy.settings import RolloutSettings, parse_rollout
+from rlproxy.storage.rollouts import ArmRun, mode_of
 from rlproxy.trainer.rollout_rule import decide, errors_z, t_sf, welch
 
 CFG = RolloutSettings(canary_min_runs=30, canary_looks=4, canary_alpha=0.05, canary_min_pairs=10)
@@ -161,9 +161,9 @@ def test_no_look_before_min_runs_and_one_look_at_a_time() -> None:
 
 
 def test_modes() -> None:
-    assert parse_modes("canary") == {"*": "canary"}
-    modes = parse_modes("agent=canary,*=immediate")
+    assert parse_rollout("canary") == {"*": "canary"}
+    modes = parse_rollout("agent=canary,*=immediate")
     assert mode_of(modes, "agent") == "canary" and mode_of(modes, "other") == "immediate"
-    assert mode_of(parse_modes("immediate"), "x") == "immediate"
+    assert mode_of(parse_rollout("immediate"), "x") == "immediate"
     with pytest.raises(ValueError, match="rollout entry"):
-        parse_modes("agent=fast")
+        parse_rollout("agent=fast")

@@ -24,8 +24,8 @@ from starlette.routing import Route
 from support import free_port
 
 from rlproxy.errors import ConfigError
-from rlproxy.settings import Settings
-from rlproxy.trainer.judge import Judge, JudgeConfig
+from rlproxy.settings import JudgeSettings, Settings
+from rlproxy.trainer.judge import Judge
 from rlproxy.trainer.judge_prompt import DEFAULT_TURN_RUBRIC
 from rlproxy.trainer.resample import as_message
 from rlproxy.trainer.scorers import (
@@ -575,6 +575,6 @@ async def test_build_scorer() -> None:
             build_scorer(Settings(scorer="url", scorer_url="file:///etc/passwd"), client)
         with pytest.raises(ConfigError, match="scorer=judge needs a judge"):
             build_scorer(Settings(scorer="judge"), client)
-        judge = Judge(JudgeConfig(base_url="http://127.0.0.1:1/v1", model="m"))
+        judge = Judge(JudgeSettings(judge_base_url="http://127.0.0.1:1/v1", judge_model="m"))
         scorer = build_scorer(Settings(scorer="judge"), client, judge=judge)
         assert isinstance(scorer, JudgeScorer) and scorer.judge is judge
