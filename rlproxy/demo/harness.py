@@ -70,14 +70,15 @@ class Loop:
     echo: Callable[[str], None]
     db: Path
 
-    def stop(self, deadline: float, paced: bool = True) -> str | None:
-        """ "max_groups", or "time" once the next group (`paced`: as long as the longest of the last three:
-        on a busy machine a group's time varies 4x, and the mean overran the 15-minute ceiling) would end
-        after `deadline`; None: go on."""
+    def stop(self, deadline: float, paced: bool = True, ceiling: bool = False) -> str | None:
+        """ "max_groups", or "time" once the next group (`paced`: as long as the last three on average;
+        at the `ceiling`, a limit that holds, as long as the longest of them: on a busy machine a group's
+        time varies 4x, and the mean overran the 15-minute ceiling) would end after `deadline`."""
         if self.plan.max_groups is not None and len(self.rows) >= self.plan.max_groups:
             return "max_groups"
         recent = [r["seconds"] for r in self.rows[-3:]] if paced else []
-        return "time" if time.monotonic() + max(recent, default=0.0) > deadline else None
+        expect = max(recent, default=0.0) if ceiling else sum(recent) / len(recent) if recent else 0.0
+        return "time" if time.monotonic() + expect > deadline else None
 
     def group(self) -> list[Episode]:
         """The next group of the agent's own task from the policy, each reward posted."""
