@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 
 from rlproxy.settings import Settings
+from rlproxy.trainer.config import TrainerConfig
 
 
 def require(ok: object, why: str) -> None:
@@ -60,6 +61,21 @@ def tiny_settings(tiny_model_dir: Path, tmp_path: Path, **fields: Any) -> Settin
         "engine_threads": 1,
     }
     return Settings(**(values | fields))
+
+
+def learning_config(tmp_path: Path, **fields: Any) -> TrainerConfig:
+    """The learning tests' trainer (tiny model, a large learning rate, seed 0), checkpoints in
+    `tmp_path/ck`, one thread, adapters unloaded at once."""
+    values: dict[str, Any] = {
+        "learning_rate": 5e-2,
+        "micro_batch_size": 16,
+        "checkpoint_dir": str(tmp_path / "ck"),
+        "train_threads": 1,
+        "keep_checkpoints": 2,
+        "unload_grace": 0.0,
+        "seed": 0,
+    }
+    return TrainerConfig(**(values | fields))
 
 
 async def wait_for(predicate: Callable[[], Any], timeout: float = 120.0, what: str = "the condition") -> None:

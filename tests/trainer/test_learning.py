@@ -19,9 +19,9 @@ import torch
 from openai import AsyncOpenAI
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
+from support import learning_config
 
 from rlproxy.inference.embedded import EmbeddedBackend
-from rlproxy.trainer.config import TrainerConfig
 from rlproxy.trainer.service import TrainerService
 
 ROUNDS = 24
@@ -59,17 +59,7 @@ async def test_mean_reward_rises(
     await backend.start()
     favored = favored_tokens(tiny_model_dir)
     eos = backend.engine.tokenizer.eos_token_id
-    config = TrainerConfig(
-        group_size=N,
-        groups_per_step=GROUPS,
-        learning_rate=5e-2,
-        micro_batch_size=16,
-        checkpoint_dir=str(tmp_path / "ck"),
-        train_threads=1,
-        keep_checkpoints=2,
-        unload_grace=0.0,
-        seed=0,
-    )
+    config = learning_config(tmp_path, group_size=N, groups_per_step=GROUPS)
     svc = TrainerService(config, db_url, backend)
     client = AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused")
     means: list[float] = []

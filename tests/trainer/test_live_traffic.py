@@ -15,7 +15,7 @@ import torch
 from openai import AsyncOpenAI
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
-from support import ServerlessBackend
+from support import ServerlessBackend, learning_config
 from test_learning import favored_tokens, reward  # the same learnable reward as the GRPO learning test
 
 from rlproxy.inference.embedded import EmbeddedBackend
@@ -149,17 +149,11 @@ async def test_reward_rises_when_every_prompt_is_unique(
     await backend.start()
     favored = favored_tokens(tiny_model_dir)
     eos = backend.engine.tokenizer.eos_token_id
-    config = TrainerConfig(
+    config = learning_config(
+        tmp_path,
         group_timeout=0.05,  # a run is alone for good 50 ms after its reward (every prompt is new)
         singletons="train",
         singleton_batch=BATCH,
-        learning_rate=5e-2,
-        micro_batch_size=16,
-        checkpoint_dir=str(tmp_path / "ck"),
-        train_threads=1,
-        keep_checkpoints=2,
-        unload_grace=0.0,
-        seed=0,
     )
     svc = TrainerService(config, db_url, backend)
     client = AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused")

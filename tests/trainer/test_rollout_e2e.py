@@ -22,10 +22,9 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 from serving import serving
-from support import free_port, rows
+from support import rows, tiny_settings
 
 from rlproxy.inference.embedded import EmbeddedBackend
-from rlproxy.settings import Settings
 
 FRACTION = 0.3
 REWARD = {0: 0.5, 1: 0.9}  # P(reward 1) of the step that served the run; any other step: 0 (broken)
@@ -63,20 +62,15 @@ async def test_canary_promotes_a_good_step_and_rolls_back_a_broken_one(
     trainer_log.setLevel(logging.INFO)
     trainer_log.addHandler(handler)
     db = tmp_path / "rlproxy.db"
-    settings = Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{db}",
-        port=free_port(),
-        train=True,
+    settings = tiny_settings(
+        tiny_model_dir,
+        tmp_path,
         group_size=4,
         groups_per_step=1,
         poll_interval=0.1,
         policy_poll_interval=0.1,
         learning_rate=1e-3,
-        checkpoint_dir=str(tmp_path / "ck"),
         unload_grace=0.5,
-        train_threads=1,
-        engine_threads=1,
         rollout="canary",
         canary_fraction=FRACTION,
         canary_min_runs=40,

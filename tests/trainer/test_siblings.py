@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import free_port, rows
+from support import free_port, rows, tiny_settings
 from trainer.serving import serving
 
 from rlproxy.inference.embedded import EmbeddedBackend
@@ -52,16 +52,11 @@ async def test_siblings_never_reach_the_app_and_equal_a_seeded_sample(
 ) -> None:
     monkeypatch.setattr(sib, "build_scorer", lambda settings, client, **kw: RankedChecks())
     db = tmp_path / "rlproxy.db"
-    settings = Settings(
-        model=str(tiny_model_dir),
-        db_url=f"sqlite+aiosqlite:///{db}",
-        port=free_port(),
-        train=True,
+    settings = tiny_settings(
+        tiny_model_dir,
+        tmp_path,
         groups_per_step=1,
         poll_interval=0.1,
-        checkpoint_dir=str(tmp_path / "ck"),
-        train_threads=1,
-        engine_threads=1,
         siblings="new",
         siblings_k=3,
         scorer="checks",
