@@ -34,14 +34,19 @@ class CpuShare:
         self.wall0, self.machine0, self.ours0 = time.monotonic(), self._machine(), self._ours()
 
     def _ours(self) -> float:
-        total = 0.0
+        seen: dict[int, psutil.Process] = {}  # by pid: `serve` is this process's child, counted once
         for proc in self.procs:
             try:
-                for p in [proc, *proc.children(recursive=True)]:
-                    t = p.cpu_times()
-                    total += t.user + t.system
+                seen |= {p.pid: p for p in [proc, *proc.children(recursive=True)]}
             except psutil.Error:  # gone (serve stopped): what it used is no longer counted
                 continue
+        total = 0.0
+        for p in seen.values():
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
         return total
 
     @staticmethod

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 from rlproxy.demo.pace import CEILING_MINUTES, CpuShare, extend_to, shortfall
 
 
@@ -52,3 +54,25 @@ def test_cpu_share_sees_a_busy_loop_beside_it():
         child.kill()
     assert seen["others_cores"] >= 0.5, seen  # the loop kept about a core busy
     assert 0.0 <= seen["share"] <= 0.5 and seen["cores"] == float(os.cpu_count() or 1)
+
+
+def test_the_server_is_counted_once():
+    # `serve` is both the demo's child and the `pid` CpuShare is given: counted twice, a busy server
+    # beside a busy loop read as the whole machine (share 1.0, others 0: a busy box never extended)
+    server = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    out = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    busy = int(out.stdout.strip())
+    try:
+        cpu = psutil.Process(server.pid).cpu_times
+        before, machine0 = sum(cpu()[:2]), CpuShare._machine()
+        share = CpuShare(server.pid)
+        time.sleep(2.0)
+        seen = share.read()
+        alone = (sum(cpu()[:2]) - before) / (CpuShare._machine() - machine0)  # the server's own share
+    finally:
+        os.kill(busy, signal.SIGKILL)
+        server.kill()
+    assert abs(seen["share"] - alone) < 0.15 and seen["others_cores"] >= 0.4, (seen, alone)
