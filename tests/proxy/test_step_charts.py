@@ -78,7 +78,7 @@ def test_every_charted_column_is_served() -> None:
 
 def test_a_new_column_with_a_chart_shows_up(monkeypatch) -> None:  # noqa: ANN001
     """A column added to storage's list is charted without touching the dashboard."""
-    column = StepColumn("x/new", chart=StepChart("new", "a new metric", "units"))
+    column = StepColumn("x/new", "a new metric", chart=StepChart("new", "a new metric", "units"))
     monkeypatch.setitem(METRIC_COLUMNS, "new_metric", column)
     assert step_charts()[-3] == {
         "id": "new",
