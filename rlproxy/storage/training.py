@@ -70,6 +70,7 @@ class StatusReason(enum.StrEnum):
     judge_off = "judge_off"  # failed: completed for the judge, but the judge is off for its policy
     scorer_failed = "scorer_failed"  # failed: a sibling group's scorer failed scorer_max_attempts times
     hosted = "hosted"  # skipped: a hosted (text-only) upstream answered it: SFT data, never a GRPO sample
+    imported = "imported"  # skipped: imported from a trace file (rlproxy import): text only, SFT data
 
 
 @dataclass
