@@ -351,7 +351,7 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
             rid,
             runs[rid].group_id,
             runs[rid].policy,
-            float(runs[rid].reward),
+            float(runs[rid].reward or 0.0),  # unrewarded: a distilled run (sft --from-policy/--from-source)
             ungrouped=runs[rid].status == RunStatus.ungrouped,
             sibling=runs[rid].branch_of is not None,
         )

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import orjson
-from sqlalchemy import select, update
+from sqlalchemy import case, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from rlproxy.storage.db import write_transaction
@@ -262,7 +262,12 @@ async def _store(
                     .values(
                         status=RunStatus.skipped,
                         status_reason=StatusReason.imported,
-                        completed_at=end,
+                        # the latest end of its calls (a trace read in several batches): load_runs
+                        # reads the calls made before completed_at
+                        completed_at=case(
+                            (RUNS.c.completed_at.is_(None) | (RUNS.c.completed_at < end), end),
+                            else_=RUNS.c.completed_at,
+                        ),
                     )
                 )
             summary.imported += len(new)
