@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from rlproxy.cli.options import ENV_NOTE, DbOpt, app, make_settings, setup_logging
+from rlproxy.traces.imports import Format, import_files
 
 SHOWN = 20  # malformed records printed one by one; the rest only counted
 
@@ -23,27 +24,18 @@ SHOWN = 20  # malformed records printed one by one; the rest only counted
 def import_(
     files: Annotated[list[Path], typer.Argument(metavar="FILE...", help="trace files (.gz too)")],
     fmt: Annotated[
-        str,
+        Format,
         typer.Option(
             "--format",
-            help="auto (by each record's fields; protobuf by suffix .pb/.binpb or binary content), "
-            "otlp-json, otlp-proto, openai-jsonl, langfuse or langsmith",
+            help="auto: by each record's fields (protobuf by suffix .pb/.binpb or binary content)",
         ),
     ] = "auto",
-    score: Annotated[
-        str | None,
-        typer.Option(
-            metavar="NAME", help="the score (Langfuse) or feedback key (LangSmith) that is the reward"
-        ),
-    ] = None,
+    score: Annotated[str | None, typer.Option(metavar="NAME", help="the score that is the reward")] = None,
     db: DbOpt = None,
 ) -> None:
     """Import traces (OTLP GenAI spans, Langfuse, LangSmith, OpenAI chat JSONL) as text-only runs."""
     from rlproxy.storage.db import create_engine, upgrade_async
-    from rlproxy.traces.imports import FORMATS, import_files
 
-    if fmt not in FORMATS:
-        raise typer.BadParameter(f"{fmt!r} is none of {', '.join(FORMATS)}", param_hint="--format")
     for f in files:
         if not f.is_file():
             raise typer.BadParameter(f"{f} is not a file", param_hint="FILE")

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import orjson
 from sqlalchemy import case, select, update
@@ -51,7 +51,7 @@ READERS: dict[str, Callable[[dict[str, Any]], Read]] = {
     "langfuse": read_langfuse,
     "langsmith": read_langsmith,
 }
-FORMATS = ("auto", "otlp-json", "otlp-proto", "openai-jsonl", "langfuse", "langsmith")
+Format = Literal["auto", "otlp-json", "otlp-proto", "openai-jsonl", "langfuse", "langsmith"]
 PROTO_SUFFIXES = {".pb", ".binpb", ".protobuf"}
 
 
@@ -94,7 +94,7 @@ def _open(path: Path) -> IO[bytes]:
     return raw
 
 
-def records(path: Path, fmt: str = "auto") -> Iterator[tuple[int, int, Read | Malformed]]:
+def records(path: Path, fmt: Format = "auto") -> Iterator[tuple[int, int, Read | Malformed]]:
     """(record number (a JSONL line: its line number), bytes read so far, what its reader made of it
     or the Malformed saying why not), one record at a time."""
     with _open(path) as f:
@@ -114,20 +114,14 @@ def records(path: Path, fmt: str = "auto") -> Iterator[tuple[int, int, Read | Ma
                 record = orjson.loads(line)
                 if not isinstance(record, dict):
                     raise Malformed("not a JSON object")
-                yield n, done, READERS[detect(record) if fmt == "auto" else fmt](record)
-            except (
-                Malformed,
-                orjson.JSONDecodeError,
-                KeyError,
-                TypeError,
-                ValueError,
-                AttributeError,
-            ) as exc:
-                yield (
-                    n,
-                    done,
-                    Malformed(f"{type(exc).__name__}: {exc}" if not isinstance(exc, Malformed) else str(exc)),
-                )
+                read: Read | Malformed = READERS[detect(record) if fmt == "auto" else fmt](record)
+            except Exception as exc:  # noqa: BLE001 - bad JSON, a reader's Malformed, a shape it did not expect
+                read = _malformed(exc)
+            yield n, done, read
+
+
+def _malformed(exc: Exception) -> Malformed:
+    return exc if isinstance(exc, Malformed) else Malformed(f"{type(exc).__name__}: {exc}")
 
 
 def _varint(f: IO[bytes]) -> int | None:
@@ -179,13 +173,13 @@ def _proto_records(f: IO[bytes]) -> Iterator[tuple[int, int, Read | Malformed]]:
                 msg = json_format.MessageToDict(ExportTraceServiceRequest.FromString(data))
             yield n, done, read_request(msg)
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and a reader's errors alike
-            yield n, done, Malformed(f"{type(exc).__name__}: {exc}")
+            yield n, done, _malformed(exc)
 
 
 async def import_files(
     engine: AsyncEngine,
     paths: list[Path],
-    fmt: str = "auto",
+    fmt: Format = "auto",
     *,
     score: str | None = None,
     on_malformed: Callable[[str], None] = log.warning,
@@ -248,42 +242,30 @@ async def _store(
             else:
                 fresh[c.capture_id or ""] = c
         new = list(fresh.values())
-        if new:
-            first = await ensure_runs(conn, new)
-            await insert_completions(conn, new, first, now)
-            ended: dict[str, datetime] = {}
-            for c in new:
-                end = (c.created_at or now) + timedelta(milliseconds=c.latency_ms or 0)
-                ended[c.run_id or ""] = max(end, ended.get(c.run_id or "", end))
-            for rid, end in ended.items():
-                await conn.execute(
-                    update(RUNS)
-                    .where(RUNS.c.id == rid)
-                    .values(
-                        status=RunStatus.skipped,
-                        status_reason=StatusReason.imported,
-                        # the latest end of its calls (a trace read in several batches): load_runs
-                        # reads the calls made before completed_at
-                        completed_at=case(
-                            (RUNS.c.completed_at.is_(None) | (RUNS.c.completed_at < end), end),
-                            else_=RUNS.c.completed_at,
-                        ),
-                    )
-                )
-            summary.imported += len(new)
-            summary.runs += sum(1 for seq in first.values() if seq == 0)
+        first = await ensure_runs(conn, new) if new else {}
+        await insert_completions(conn, new, first, now)
+        summary.imported += len(new)
+        summary.runs += sum(1 for seq in first.values() if seq == 0)
+        ended: dict[str, datetime] = {}
+        for c in new:
+            end = (c.created_at or now) + timedelta(milliseconds=c.latency_ms or 0)
+            ended[c.run_id or ""] = max(end, ended.get(c.run_id or "", end))
+        changes: dict[str, dict[str, Any]] = {}
+        for rid, end in ended.items():
+            # completed_at: the latest end of its calls (a trace may come in several batches): load_runs
+            # reads the calls made before it
+            later = RUNS.c.completed_at.is_(None) | (RUNS.c.completed_at < end)
+            changes[rid] = {
+                "status": RunStatus.skipped,
+                "status_reason": StatusReason.imported,
+                "completed_at": case((later, end), else_=RUNS.c.completed_at),
+            }
         if notes:
             stored = set((await conn.execute(select(RUNS.c.id).where(RUNS.c.id.in_(list(notes))))).scalars())
             for rid in stored:
                 note = notes.pop(rid)
-                await conn.execute(
-                    update(RUNS)
-                    .where(RUNS.c.id == rid)
-                    .values(
-                        reward=note.reward,
-                        reward_source=note.reward_source,
-                        metrics=note.metrics,
-                        metadata=note.metadata,
-                    )
-                )
+                score = {"reward": note.reward, "reward_source": note.reward_source, "metrics": note.metrics}
+                changes[rid] = {**changes.get(rid, {}), **score, "metadata": note.metadata}
                 summary.scores += 1
+        for rid, values in changes.items():
+            await conn.execute(update(RUNS).where(RUNS.c.id == rid).values(**values))

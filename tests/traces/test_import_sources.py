@@ -64,6 +64,16 @@ def check_call(row: dict, completion: dict) -> None:
     assert row["source"] == "import" and row["status"] == "skipped"
 
 
+def the_scored_run(path: Path, completion: dict, run_id: str, reward: tuple[float, str]) -> dict:
+    """The one run `path` imports into a new store, checked: its call, its id, its reward and source."""
+    db = path.with_suffix(".db")
+    assert imported(path, db).startswith("imported 1 call(s) in 1 new run(s), 1 scored")
+    [row] = runs(db)
+    check_call(row, completion)
+    assert row["id"] == run_id and (row["reward"], row["reward_source"]) == reward
+    return row
+
+
 def test_openai_chat_jsonl(completion, tmp_path):
     reply = {k: v for k, v in completion["choices"][0]["message"].items() if v not in (None, [])}
     path = tmp_path / "chats.jsonl"
@@ -105,12 +115,7 @@ def test_langfuse_export(completion, tmp_path):
     path = tmp_path / "langfuse.jsonl"
     page = {"data": [json.loads(generation.json()), json.loads(span.json())], "meta": {"page": 1}}
     path.write_text(score.json() + "\n" + json.dumps(page) + "\n")  # a score before its trace's calls
-    db = tmp_path / "s.db"
-    assert imported(path, db).startswith("imported 1 call(s) in 1 new run(s), 1 scored")
-    [row] = runs(db)
-    check_call(row, completion)
-    assert row["id"] == f"import:{trace}"
-    assert (row["reward"], row["reward_source"]) == (0.75, "langfuse")
+    row = the_scored_run(path, completion, f"import:{trace}", (0.75, "langfuse"))
     assert json.loads(row["metrics"]) == {"helpfulness": 0.75}
     assert row["created_at"].startswith("2026-12-01 12:00:00")
 
@@ -143,12 +148,7 @@ def test_langsmith_export(completion, tmp_path):
     )
     path = tmp_path / "langsmith.jsonl"
     path.write_text("".join(r.model_dump_json() + "\n" for r in (chain, call, feedback)))
-    db = tmp_path / "s.db"
-    assert imported(path, db).startswith("imported 1 call(s) in 1 new run(s), 1 scored")
-    [row] = runs(db)
-    check_call(row, completion)
-    assert row["id"] == f"import:{root}"
-    assert (row["reward"], row["reward_source"]) == (1.0, "langsmith")
+    the_scored_run(path, completion, f"import:{root}", (1.0, "langsmith"))
 
 
 def test_sft_from_source_import_selects_the_imported_conversations(completion, tmp_path):

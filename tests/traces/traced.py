@@ -15,34 +15,22 @@ from typing import Any
 
 import pytest
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
     {
         "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "the weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
+        "function": {"name": "get_weather", "description": "a city's weather", "parameters": CITY},
     }
 ]
-MESSAGES = [
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+MESSAGES = [  # a conversation with a tool call and its result: what the client sends
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": "weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }
-        ],
-    },
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
 ]
 

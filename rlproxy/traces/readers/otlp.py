@@ -15,10 +15,13 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 from rlproxy.traces import genai
 from rlproxy.traces.readers import Malformed, Read, chat_call, timestamp
+
+_EPOCH = datetime.fromtimestamp(0, UTC)
 
 
 def read_request(request: dict[str, Any]) -> Read:
@@ -33,7 +36,7 @@ def read_request(request: dict[str, Any]) -> Read:
                 call = read_span(span)
                 if call is not None:
                     out.calls.append(call)
-    out.calls.sort(key=lambda c: (c.run_id or "", c.created_at or 0))  # a trace's calls in time order
+    out.calls.sort(key=lambda c: (c.run_id or "", c.created_at or _EPOCH))  # a trace's calls in time order
     return out
 
 
