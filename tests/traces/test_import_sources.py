@@ -151,13 +151,18 @@ def test_langsmith_export(completion, tmp_path):
     the_scored_run(path, completion, f"import:{root}", (1.0, "langsmith"))
 
 
-def test_sft_from_source_import_selects_the_imported_conversations(completion, tmp_path):
-    """`rlproxy sft --from-source import`: the selection and the conversations distillation learns."""
+def imported_chat(completion: dict, tmp_path: Path) -> tuple[Path, dict]:
+    """A store holding one imported fine-tuning line (the client's messages + the reply it got)."""
     reply = {k: v for k, v in completion["choices"][0]["message"].items() if v not in (None, [])}
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": [*MESSAGES, reply], "tools": TOOLS}) + "\n")
-    db = tmp_path / "s.db"
-    imported(path, db)
+    imported(path, tmp_path / "s.db")
+    return tmp_path / "s.db", reply
+
+
+def test_sft_from_source_import_selects_the_imported_conversations(completion, tmp_path):
+    """`rlproxy sft --from-source import`: the selection and the conversations distillation learns."""
+    db, reply = imported_chat(completion, tmp_path)
 
     async def selected() -> list:
         engine = create_engine(normalize_url(str(db)))
@@ -173,3 +178,13 @@ def test_sft_from_source_import_selects_the_imported_conversations(completion, t
     [(messages, tools)] = conversations(run)
     assert messages[: len(MESSAGES)] == MESSAGES and messages[-1]["content"] == reply["content"]
     assert tools == TOOLS
+
+
+def test_sft_from_source_import_trains_a_step(completion, tiny_model_dir, tmp_path, monkeypatch):
+    """`rlproxy sft --policy student --from-source import`: the imported chats are learned (tiny model)."""
+    db, _ = imported_chat(completion, tmp_path)
+    monkeypatch.setenv("RLPROXY_TRAIN_THREADS", "1")
+    args = ["--db", str(db), "--model", str(tiny_model_dir), "--checkpoint-dir", str(tmp_path / "ck")]
+    out = runner.invoke(app, ["sft", "--policy", "student", "--from-source", "import", *args])
+    assert out.exit_code == 0, out.output
+    assert "step 1 of student-distilled (sft)" in out.stdout and "1 examples" in out.stdout
