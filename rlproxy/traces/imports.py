@@ -31,6 +31,7 @@ import orjson
 from sqlalchemy import case, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from rlproxy.errors import ConfigError
 from rlproxy.storage.db import write_transaction
 from rlproxy.storage.models import RunStatus
 from rlproxy.storage.records import CompletionRecord
@@ -85,29 +86,20 @@ def detect(record: dict[str, Any]) -> str:
     return "openai-jsonl"
 
 
-def _open(path: Path) -> IO[bytes]:
-    raw = path.open("rb")
-    if raw.read(2) == b"\x1f\x8b":
-        raw.seek(0)
-        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
-    raw.seek(0)
-    return raw
-
-
 def records(path: Path, fmt: Format = "auto") -> Iterator[tuple[int, int, Read | Malformed]]:
-    """(record number (a JSONL line: its line number), bytes read so far, what its reader made of it
-    or the Malformed saying why not), one record at a time."""
-    with _open(path) as f:
-        first = f.peek(1)[:1] if hasattr(f, "peek") else b""
+    """(record number (a JSONL line: its line number), bytes of the file read so far, what its reader
+    made of it or the Malformed saying why not), one record at a time; gzip files unpacked as read."""
+    with path.open("rb") as raw:
+        f: Any = gzip.GzipFile(fileobj=raw) if raw.peek(2)[:2] == b"\x1f\x8b" else raw
+        first = f.peek(1)[:1]
         proto = fmt == "otlp-proto" or (
             fmt == "auto" and (path.suffix in PROTO_SUFFIXES or (first and first not in b"{[ \t\r\n"))
         )
         if proto:
-            yield from _proto_records(f)
+            for n, read in _proto_records(f):
+                yield n, raw.tell(), read
             return
-        done = 0
         for n, line in enumerate(f, 1):
-            done += len(line)
             if not line.strip():
                 continue
             try:
@@ -117,7 +109,7 @@ def records(path: Path, fmt: Format = "auto") -> Iterator[tuple[int, int, Read |
                 read: Read | Malformed = READERS[detect(record) if fmt == "auto" else fmt](record)
             except Exception as exc:  # noqa: BLE001 - bad JSON, a reader's Malformed, a shape it did not expect
                 read = _malformed(exc)
-            yield n, done, read
+            yield n, raw.tell(), read
 
 
 def _malformed(exc: Exception) -> Malformed:
@@ -138,7 +130,7 @@ def _varint(f: IO[bytes]) -> int | None:
         shift += 7
 
 
-def _proto_records(f: IO[bytes]) -> Iterator[tuple[int, int, Read | Malformed]]:
+def _proto_records(f: Any) -> Iterator[tuple[int, Read | Malformed]]:
     """OTLP protobuf: one ExportTraceServiceRequest (read one ResourceSpans at a time: the message
     is field 1 repeated, tag 0x0A) or length-delimited requests (a varint length before each)."""
     try:
@@ -146,9 +138,9 @@ def _proto_records(f: IO[bytes]) -> Iterator[tuple[int, int, Read | Malformed]]:
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
         from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
     except ImportError as exc:
-        raise ImportError("OTLP protobuf needs the traces extra: pip install 'rlproxy[traces]'") from exc
-    single = f.peek(1)[:1] == b"\x0a" if hasattr(f, "peek") else False
-    done = n = 0
+        raise ConfigError("OTLP protobuf files need the traces extra: pip install 'rlproxy[traces]'") from exc
+    single = f.peek(1)[:1] == b"\x0a"
+    n = 0
     while True:
         if single:
             tag = f.read(1)
@@ -161,7 +153,6 @@ def _proto_records(f: IO[bytes]) -> Iterator[tuple[int, int, Read | Malformed]]:
             return
         n += 1
         data = f.read(size)
-        done += size
         try:
             if len(data) < size:
                 raise Malformed("the file ends inside a message")
@@ -171,9 +162,9 @@ def _proto_records(f: IO[bytes]) -> Iterator[tuple[int, int, Read | Malformed]]:
                 msg = {"resourceSpans": [json_format.MessageToDict(ResourceSpans.FromString(data))]}
             else:
                 msg = json_format.MessageToDict(ExportTraceServiceRequest.FromString(data))
-            yield n, done, read_request(msg)
+            yield n, read_request(msg)
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and a reader's errors alike
-            yield n, done, _malformed(exc)
+            yield n, _malformed(exc)
 
 
 async def import_files(
