@@ -40,7 +40,7 @@ def rows(db: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("encoding", ["json", "proto", "proto-delimited"])
-@pytest.mark.parametrize("kind", ["openai-v2", "openinference"])
+@pytest.mark.parametrize("kind", ["openai-v2", "openllmetry", "openinference"])
 def test_import_reads_back_what_the_client_sent(kind, encoding, stub, monkeypatch, tmp_path):
     spans = traced_spans(kind, stub.url, monkeypatch, calls=2)
     llm = [s for s in spans if s.name != "episode 0" and s.name != "episode 1"]
@@ -59,7 +59,7 @@ def test_import_reads_back_what_the_client_sent(kind, encoding, stub, monkeypatc
         assert row["run_id"] == f"import:{trace}" and row["capture_id"] == f"import:{trace}:{sid}"
         request, response = json.loads(row["request"]), json.loads(row["response"])
         assert request["messages"] == MESSAGES
-        assert request.get("tools") == (TOOLS if kind == "openinference" else None)
+        assert request.get("tools") == (None if kind == "openai-v2" else TOOLS)
         assert request["model"] == "stub-model" and request["temperature"] == 0.5
         reply = response["choices"][0]["message"]
         assert reply["role"] == "assistant" and reply["content"].startswith("t100")

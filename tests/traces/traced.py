@@ -1,10 +1,11 @@
 """Trace files made by the real libraries (issue 58's acceptance: no hand-written test data).
 
-A real `openai` client, instrumented by `opentelemetry-instrumentation-openai-v2` or by
-`openinference-instrumentation-openai`, calls the stub upstream (tests/stub_upstream.py) with
-`MESSAGES` and `TOOLS`; the OTel SDK's InMemorySpanExporter keeps the spans, and
-`opentelemetry-exporter-otlp-proto-common`'s encoder makes the OTLP request written as OTLP
-protobuf (one message, or length-delimited) or as JSON (protobuf's `json_format`, one request a line).
+A real `openai` client, instrumented by `opentelemetry-instrumentation-openai-v2`, by OpenLLMetry's
+`opentelemetry-instrumentation-openai` or by `openinference-instrumentation-openai`, calls the stub
+upstream (tests/stub_upstream.py) with `MESSAGES` and `TOOLS`; the OTel SDK's InMemorySpanExporter
+keeps the spans, and `opentelemetry-exporter-otlp-proto-common`'s encoder makes the OTLP request
+written as OTLP protobuf (one message, or length-delimited) or as JSON (protobuf's `json_format`,
+one request a line).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ MESSAGES = [  # a conversation with a tool call and its result: what the client 
 
 def traced_spans(kind: str, base_url: str, monkeypatch: pytest.MonkeyPatch, calls: int = 1) -> list[Any]:
     """The finished spans of `calls` chat calls of an openai client instrumented by `kind`
-    (openai-v2: content on the span, as 2.4b0 writes it with gen_ai_latest_experimental; openinference)."""
+    (openai-v2: content on the span, as 2.4b0 writes it with gen_ai_latest_experimental; openllmetry;
+    openinference)."""
     import openai
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -50,6 +52,8 @@ def traced_spans(kind: str, base_url: str, monkeypatch: pytest.MonkeyPatch, call
         monkeypatch.setenv("OTEL_SEMCONV_STABILITY_OPT_IN", "gen_ai_latest_experimental")
         monkeypatch.setenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "SPAN_ONLY")
         from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
+    elif kind == "openllmetry":  # Traceloop's opentelemetry-instrumentation-openai
+        from opentelemetry.instrumentation.openai import OpenAIInstrumentor
     else:
         from openinference.instrumentation.openai import OpenAIInstrumentor
     instrumentor = OpenAIInstrumentor()

@@ -130,12 +130,20 @@ def _genai(attrs: dict[str, Any]) -> dict[str, Any]:
         "model": attrs.get(genai.REQUEST_MODEL) or attrs.get(genai.RESPONSE_MODEL),
         "messages": messages,
         "reply": reply,
-        "tools": _json(attrs, genai.TOOL_DEFINITIONS),
+        "tools": [_tool(t) for t in _json(attrs, genai.TOOL_DEFINITIONS) or []],
         "params": {name: attrs.get(key) for key, name in genai.REQUEST_PARAMS.items()},
         "finish_reason": finish,
         "usage": (attrs.get(genai.INPUT_TOKENS), attrs.get(genai.OUTPUT_TOKENS)),
         "response_id": attrs.get(genai.RESPONSE_ID),
     }
+
+
+def _tool(tool: Any) -> Any:
+    """A semconv tool definition (`{"type": "function", "name", "description", "parameters"}`) in
+    OpenAI's request shape (the function's fields under `function`); one already so, as it is."""
+    if not isinstance(tool, dict) or "function" in tool or "name" not in tool:
+        return tool
+    return {"type": tool.get("type", "function"), "function": {k: v for k, v in tool.items() if k != "type"}}
 
 
 def _text(parts: list[Any]) -> str | None:
