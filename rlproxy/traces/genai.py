@@ -7,7 +7,8 @@ status: `gen_ai.input.messages`/`gen_ai.output.messages` hold JSON lists of mess
 (`OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental`,
 `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY`), else it puts the content in log
 events named `EVENT_*` below; OpenLLMetry's `opentelemetry-instrumentation-openai` 0.62 writes them
-by default, with `gen_ai.tool.definitions` (`{"type", "name", "description", "parameters"}` each). OpenInference (Arize: Phoenix) flattens messages into indexed keys
+by default, with `gen_ai.tool.definitions` (`{"type", "name", "description", "parameters"}` each).
+OpenInference (Arize: Phoenix) flattens messages into indexed keys
 (`llm.input_messages.0.message.role`), built by `oi_message`.
 """
 

@@ -75,7 +75,7 @@ class Summary:
 
 def detect(record: dict[str, Any]) -> str:
     """The format of one JSON record (`--format auto`), by the fields each source writes."""
-    if "resourceSpans" in record or "resource_spans" in record:
+    if "resourceSpans" in record:
         return "otlp-json"
     if "run_type" in record or "dotted_order" in record or ("key" in record and "run_id" in record):
         return "langsmith"

@@ -27,11 +27,11 @@ _EPOCH = datetime.fromtimestamp(0, UTC)
 def read_request(request: dict[str, Any]) -> Read:
     """The calls of every GenAI span of one ExportTraceServiceRequest."""
     out = Read()
-    resources = request.get("resourceSpans", request.get("resource_spans"))
+    resources = request.get("resourceSpans")
     if not isinstance(resources, list):
         raise Malformed("no resourceSpans: not an OTLP trace export")
     for resource in resources:
-        for scope in resource.get("scopeSpans") or resource.get("scope_spans") or []:
+        for scope in resource.get("scopeSpans") or []:
             for span in scope.get("spans") or []:
                 call = read_span(span)
                 if call is not None:
@@ -53,10 +53,10 @@ def read_span(span: dict[str, Any]) -> Any:
     else:
         return None
     return chat_call(
-        trace_id=span_id(span.get("traceId", span.get("trace_id")), 16),
-        span_id=span_id(span.get("spanId", span.get("span_id")), 8),
-        started=timestamp(span.get("startTimeUnixNano", span.get("start_time_unix_nano"))),
-        ended=timestamp(span.get("endTimeUnixNano", span.get("end_time_unix_nano"))),
+        trace_id=span_id(span.get("traceId"), 16),
+        span_id=span_id(span.get("spanId"), 8),
+        started=timestamp(span.get("startTimeUnixNano")),
+        ended=timestamp(span.get("endTimeUnixNano")),
         **fields,
     )
 
@@ -89,16 +89,14 @@ def attributes(items: Any) -> dict[str, Any]:
 
 def _value(v: dict[str, Any]) -> Any:
     for key, value in v.items():
-        if key in ("stringValue", "string_value", "boolValue", "bool_value", "doubleValue", "double_value"):
+        if key in ("stringValue", "boolValue", "doubleValue", "bytesValue"):
             return value
-        if key in ("intValue", "int_value"):
+        if key == "intValue":
             return int(value)
-        if key in ("arrayValue", "array_value"):
+        if key == "arrayValue":
             return [_value(x) for x in value.get("values") or []]
-        if key in ("kvlistValue", "kvlist_value"):
+        if key == "kvlistValue":
             return attributes(value.get("values"))
-        if key in ("bytesValue", "bytes_value"):
-            return value
     return None
 
 
