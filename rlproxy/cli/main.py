@@ -9,8 +9,8 @@ output formats in `output.py`. Nothing imports this package: it is the entrance.
 
 Each command module adds its commands to `options.app`; this one holds `serve`, `engine`, `train`,
 `dashboard`, `db` and `models`, and imports the others where `rlproxy --help` lists them: `sft` and
-`fork` (`offline.py`), `runs`, `steps`, `sql`, `export` (`read.py`), `demo` (`demo_cmd.py`),
-`settings` (`settings_cmd.py`), `keys` (`keys.py`) and `rollout` (`rollout.py`).
+`fork` (`offline.py`), `runs`, `steps`, `sql`, `export` (`read.py`), `import` (`traces_cmd.py`),
+`demo` (`demo_cmd.py`), `settings` (`settings_cmd.py`), `keys` (`keys.py`) and `rollout` (`rollout.py`).
 """
 
 from __future__ import annotations
@@ -231,6 +231,7 @@ def train(
 
 
 from rlproxy.cli import offline, read  # noqa: E402, F401, I001  (sft, fork; runs, steps, sql, export)
+from rlproxy.cli import traces_cmd  # noqa: E402, F401, I001  (import)
 
 
 @app.command(epilog=ENV_NOTE)

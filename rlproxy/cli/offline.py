@@ -90,6 +90,14 @@ def sft(
             "rendered with the student's chat template, assistant turns only",
         ),
     ] = None,
+    from_source: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SOURCE",
+            help="distill the stored conversations of this completions.source: import (`rlproxy import`'s "
+            "traces) or hosted; with --from-policy/--where/--min-reward as filters",
+        ),
+    ] = None,
     min_reward: Annotated[
         float | None, typer.Option(help="only runs rewarded at least this (with --where/--from-policy)")
     ] = None,
@@ -120,11 +128,12 @@ def sft(
     """Supervised fine-tuning from stored runs (exact tokens) or a chat file, published as the next step."""
     from rlproxy.cli import processes  # lazy: the web stack and the composition root
 
-    if from_policy is None and (where is None) == (file is None):
+    distill = from_policy is not None or from_source is not None
+    if not distill and (where is None) == (file is None):
         raise typer.BadParameter("give one of --where (SQL over trajectories) and --file (chat JSONL)")
-    if from_policy is not None and file is not None:
-        raise typer.BadParameter("--from-policy reads the store: it takes --where, not --file")
-    if from_policy is not None and into is None:
+    if distill and file is not None:
+        raise typer.BadParameter("--from-policy/--from-source read the store: they take --where, not --file")
+    if distill and into is None:
         into = f"{policy}-distilled"  # a new policy: the student's live traffic is not switched
     if file is not None and not file.is_file():
         raise typer.BadParameter(f"{file} is not a file", param_hint="--file")
@@ -161,6 +170,7 @@ def sft(
             epochs=epochs,
             batch_size=batch_size,
             from_policy=from_policy,
+            from_source=from_source,
             min_reward=min_reward,
             into=into,
             include_val=include_val,

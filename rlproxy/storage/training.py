@@ -70,6 +70,7 @@ class StatusReason(enum.StrEnum):
     judge_off = "judge_off"  # failed: completed for the judge, but the judge is off for its policy
     scorer_failed = "scorer_failed"  # failed: a sibling group's scorer failed scorer_max_attempts times
     hosted = "hosted"  # skipped: a hosted (text-only) upstream answered it: SFT data, never a GRPO sample
+    imported = "imported"  # skipped: imported from a trace file (rlproxy import): text only, SFT data
 
 
 @dataclass
@@ -350,7 +351,7 @@ async def load_runs(engine: AsyncEngine, run_ids: list[str]) -> list[RunData]:
             rid,
             runs[rid].group_id,
             runs[rid].policy,
-            float(runs[rid].reward),
+            float(runs[rid].reward or 0.0),  # unrewarded: a distilled run (sft --from-policy/--from-source)
             ungrouped=runs[rid].status == RunStatus.ungrouped,
             sibling=runs[rid].branch_of is not None,
         )

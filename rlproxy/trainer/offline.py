@@ -219,15 +219,23 @@ async def init_policies(
 
 
 def sft_condition(
-    where: str | None, from_policy: str | None, min_reward: float | None, include_val: bool
+    where: str | None,
+    from_policy: str | None,
+    min_reward: float | None,
+    include_val: bool,
+    from_source: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The SQL condition (and its parameters) selecting the runs SFT learns from, for
-    `storage.export.select_run_ids`: validation runs stay held out unless `include_val`."""
+    `storage.export.select_run_ids`: validation runs stay held out unless `include_val`.
+    `from_source` keeps runs with calls of that `completions.source` (import, hosted)."""
     filters = [] if include_val else ["split = 'train'"]
     params: dict[str, Any] = {}
     if from_policy is not None:
         filters.append("policy = :from_policy")
         params["from_policy"] = from_policy
+    if from_source is not None:
+        filters.append("run_id IN (SELECT run_id FROM completions WHERE source = :from_source)")
+        params["from_source"] = from_source
     if min_reward is not None:
         filters.append("reward >= :min_reward")
         params["min_reward"] = min_reward
@@ -245,21 +253,23 @@ async def sft_examples(
     from_policy: str | None = None,
     min_reward: float | None = None,
     include_val: bool = False,
+    from_source: str | None = None,
 ) -> list[Any]:
     """The examples of `rlproxy sft`: the runs `where` selects (exact tokens), the chats of `file`,
-    or (`from_policy`) that policy's conversations rendered with the student's template (distillation:
-    a hosted teacher's rows have no tokens). Runs of split `val` are left out unless `include_val`;
-    `min_reward` keeps only runs rewarded at least that."""
+    or (`from_policy`, `from_source`) the conversations of that policy's or source's runs rendered
+    with the student's template (distillation: a hosted teacher's or an imported trace's rows have no
+    tokens). Runs of split `val` are left out unless `include_val`; `min_reward` keeps only runs
+    rewarded at least that."""
     if file is not None:
-        if where is not None or from_policy is not None or min_reward is not None:
+        if where is not None or from_policy is not None or from_source is not None or min_reward is not None:
             raise ConfigError(
                 "--file takes no --where, --from-policy or --min-reward (they select stored runs)"
             )
         return [sft.chat_example(tokenizer, c["messages"], c.get("tools")) for c in sft.read_chats(file)]
-    if where is None and from_policy is None:
+    if where is None and from_policy is None and from_source is None:
         raise ConfigError("give one of --where (SQL over the trajectories view) and --file (chat JSONL)")
 
-    condition, params = sft_condition(where, from_policy, min_reward, include_val)
+    condition, params = sft_condition(where, from_policy, min_reward, include_val, from_source)
     engine = await open_readonly(db_url)  # `where` is the operator's SQL: it may read, never write
     try:
         # `where` reads the runs' columns too (split, policy, ...), as `rlproxy export --where` does
@@ -268,13 +278,15 @@ async def sft_examples(
     finally:
         await engine.dispose()
     what = " ".join(
-        f"{k} {v!r}" for k, v in (("--from-policy", from_policy), ("--where", where)) if v is not None
+        f"{k} {v!r}"
+        for k, v in (("--from-policy", from_policy), ("--from-source", from_source), ("--where", where))
+        if v is not None
     )
-    if from_policy is not None:
+    if from_policy is not None or from_source is not None:
         examples, _ = sft.distill_examples(tokenizer, runs)
         if not examples:
             raise ConfigError(f"{what} selects {len(ids)} train run(s) with no conversation to learn")
-        log.info("distilling %d conversation(s) of %d run(s) of %s", len(examples), len(runs), from_policy)
+        log.info("distilling %d conversation(s) of %d run(s) (%s)", len(examples), len(runs), what)
         return examples
     examples = sft.run_examples(runs)
     if not examples:
@@ -299,6 +311,7 @@ async def run_sft(
     into: str | None = None,
     on_step: Callable[[int, int, dict[str, float]], None] | None = None,
     include_val: bool = False,
+    from_source: str | None = None,
 ) -> dict[str, Any]:
     """`rlproxy sft`: train the policy's newest adapter on the examples, publish it as the next step.
 
@@ -330,6 +343,7 @@ async def run_sft(
             from_policy=from_policy,
             min_reward=min_reward,
             include_val=include_val,
+            from_source=from_source,
         )
         target = into or policy
         if into is not None and into != policy:
@@ -367,6 +381,7 @@ async def run_sft(
             "sft_epochs": epochs,
             "sft_batch_size": batch_size,
             "sft_from_policy": from_policy,
+            "sft_from_source": from_source,
             "sft_min_reward": min_reward,
             "sft_parent": f"{policy}@{db_step}" if target != policy else None,
         }
