@@ -54,7 +54,7 @@ from rlproxy.proxy.limits import Limits
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies, parse_model_map
 from rlproxy.proxy.rollout import RolloutService, Router
-from rlproxy.settings import JudgeSettings, LimitsSettings, Settings, parse_rollout
+from rlproxy.settings import JudgeSettings, LimitsSettings, Settings, TracesSettings, parse_rollout
 from rlproxy.storage import queries
 from rlproxy.storage.db import normalize_url
 from rlproxy.trainer import resample, scorers
@@ -183,6 +183,18 @@ def canary_router(settings: Settings, policies: Policies, metrics: Metrics) -> A
     return RolloutService(router, None, settings.policy_poll_interval)
 
 
+def otlp_exporter(settings: Settings, metrics: Metrics) -> Any:
+    """The live export of every call as an OTLP span (traces/otlp_live.py), a lifespan service that
+    the writer feeds, counted on `/metrics`; None without `otlp_endpoint`."""
+    if not settings.otlp_endpoint:
+        return None
+    from rlproxy.traces.otlp_live import OtlpExporter  # lazy: the traces extra
+
+    exporter = OtlpExporter(settings.group(TracesSettings))
+    metrics.registry.register(exporter)
+    return exporter
+
+
 def sibling_service(
     settings: Settings, backend: Backend, policies: Policies, hosted_specs: dict[str, Any], metrics: Metrics
 ) -> Any:
@@ -287,7 +299,10 @@ def build_app(settings: Settings, backend: Backend | None = None) -> ErrorShapes
         if rollout is not None and trainer.rollouts is not None:  # routed by a decision once written
             trainer.rollouts.on_decision = rollout.refresh
     siblings = sibling_service(settings, backend, policies, hosted_specs, metrics)
-    services = tuple(s for s in (rollout, init, trainer, siblings) if s is not None)  # started in order
+    spans = otlp_exporter(settings, metrics)  # first in, last out: it sends what the others made
+    services = tuple(
+        s for s in (spans, rollout, init, trainer, siblings) if s is not None
+    )  # started in order
     state = ProxyState(
         settings=settings,
         backend=backend,
@@ -300,6 +315,8 @@ def build_app(settings: Settings, backend: Backend | None = None) -> ErrorShapes
     metrics.registry.register(state.keys)  # requests, tokens and refusals per app key
     if rollout is not None:
         rollout.state = state
+    if spans is not None:  # the writer is the lifespan's: hooked when the service starts
+        spans.writer_of = lambda: state.writer
 
     api = create_app(state)
     # The hot routes are not here: `HotPath` (below) serves them before FastAPI sees the request,

@@ -154,11 +154,24 @@ async def records(engine: AsyncEngine, where: str | None = None) -> AsyncIterato
 
     Raises what the database raises for a bad `where` (an SQLAlchemy error) before yielding.
     """
+    async for run, messages, completions in runs(engine, where):
+        yield record(run, messages, completions)
+
+
+async def runs(
+    engine: AsyncEngine, where: str | None = None
+) -> AsyncIterator[tuple[dict[str, Any], Any, list[dict[str, Any]]]]:
+    """The runs `where` selects, oldest first, as (its `runs` row, the trajectories view's
+    `messages`, its `completions` rows in seq order), read BATCH runs at a time: what `record`
+    takes (and the OTLP export, traces/otlp_file.py).
+
+    Raises what the database raises for a bad `where` (an SQLAlchemy error) before yielding.
+    """
     ids = await select_run_ids(engine, where)
     for start in range(0, len(ids), BATCH):
         batch = ids[start : start + BATCH]
         async with engine.connect() as conn:
-            runs = {
+            rows = {
                 r.id: dict(r._mapping) for r in (await conn.execute(select(RUNS).where(RUNS.c.id.in_(batch))))
             }
             views = dict(
@@ -176,7 +189,7 @@ async def records(engine: AsyncEngine, where: str | None = None) -> AsyncIterato
             for c in await conn.execute(q):
                 comps.setdefault(c.run_id, []).append(dict(c._mapping))
         for run_id in batch:
-            yield record(runs[run_id], views.get(run_id), comps.get(run_id, []))
+            yield rows[run_id], views.get(run_id), comps.get(run_id, [])
 
 
 async def write(engine: AsyncEngine, fmt: Format, out: Path, where: str | None = None) -> int:
@@ -187,20 +200,30 @@ async def write(engine: AsyncEngine, fmt: Format, out: Path, where: str | None =
     """
     out = Path(out)
     if fmt == "jsonl":
-        n = 0
-        tmp = out.with_name(out.name + ".part")
-        try:
-            with tmp.open("wb") as f:
-                async for rec in records(engine, where):
-                    f.write(orjson.dumps({k: v for k, v in rec.items() if v is not None}) + b"\n")
-                    n += 1
-            tmp.replace(out)  # a failed export leaves no half file under the name asked for
-        finally:
-            tmp.unlink(missing_ok=True)
-        return n
+        lines = (
+            orjson.dumps({k: v for k, v in rec.items() if v is not None}) + b"\n"
+            async for rec in records(engine, where)
+        )
+        return await write_lines(out, lines)
     rows = [rec async for rec in records(engine, where)]
     write_dataset(rows, fmt, out)
     return len(rows)
+
+
+async def write_lines(out: Path, lines: AsyncIterator[bytes]) -> int:
+    """Write `lines` (each one run's bytes) to `out`, through `out.part`: a failed export leaves no
+    half file under the name asked for. Returns how many were written."""
+    n = 0
+    tmp = out.with_name(out.name + ".part")
+    try:
+        with tmp.open("wb") as f:
+            async for line in lines:
+                f.write(line)
+                n += 1
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n
 
 
 def write_dataset(rows: list[dict[str, Any]], fmt: Format, out: Path) -> None:

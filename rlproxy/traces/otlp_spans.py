@@ -1,0 +1,235 @@
+"""One captured call as an OpenTelemetry GenAI span, and one reward as a span of its run's trace.
+
+The same functions serve the live export (`otlp_live.py`, from the record the writer was handed)
+and the command (`otlp_file.py`, from the stored rows), so both give a call the same ids: a
+backend that receives a call twice (live, then from a file) keeps it once.
+
+A run is a trace: its trace id is the first 16 bytes of sha256("rlproxy-run:" + run id), so Phoenix
+and Langfuse show an episode as one trace (an untagged call is a trace of its own, by its capture
+id). A call's span id comes from its `capture_id` (the completions column). Each call is a root span
+of its run's trace (a run has no span of its own: when it ends is known only at its reward).
+
+A span per call, kind CLIENT, named "{gen_ai.operation.name} {gen_ai.request.model}", from the
+request's arrival (`created_at`) to its last byte (`latency_ms`), status ERROR with the error for a
+failed call. Its attributes (docs/traces_export.md lists them):
+
+    gen_ai.*   the GenAI semantic conventions: operation.name (chat | text_completion),
+               request.model, response.model, response.id, request.temperature, request.top_p,
+               request.max_tokens, usage.input_tokens, usage.output_tokens,
+               response.finish_reasons, error.type (the HTTP status of a failed call); with content
+               capture on (the convention's opt-in): input.messages, output.messages (JSON, the
+               convention's role + parts form) and tool.definitions
+    rlproxy.*  ours: run_id, group_id, policy, policy_step, adapter (the model the upstream served),
+               api (the completions.endpoint value), source ("hosted": a text-only upstream),
+               ttft_ms
+
+A reward arrives after the run's calls, so it is a span of its own in the run's trace, named
+"rlproxy.reward", at the time it was stored (live) or the run's completed_at (the command), with
+rlproxy.run_id, rlproxy.reward, rlproxy.reward_source (app | judge; live: app) and, from the
+command, rlproxy.group_id and rlproxy.run_status.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from rlproxy.errors import ConfigError
+from rlproxy.storage.records import Endpoint
+from rlproxy.storage.times import aware
+
+try:
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,  # noqa: F401  (otlp_live.py reads the endpoint's answer)
+    )
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, InstrumentationScope, KeyValue
+    from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+except ImportError as exc:  # the library runs without the extra; only this feature needs it
+    raise ConfigError("OTLP export needs opentelemetry-proto: pip install 'rlproxy[traces]'") from exc
+
+SERVICE_NAME = "rlproxy"  # the resource's service.name: what Phoenix and Langfuse group the traces by
+REWARD_SPAN = "rlproxy.reward"
+
+
+def _id(kind: str, key: str, size: int) -> bytes:
+    return hashlib.sha256(f"rlproxy-{kind}:{key}".encode()).digest()[:size]
+
+
+def trace_id(run_id: str) -> bytes:
+    """The trace id of a run (16 bytes): the same run, the same trace, wherever it is exported from."""
+    return _id("run", run_id, 16)
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, str | bytes):
+        try:
+            return orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return value
+    return value
+
+
+def _value(v: Any) -> AnyValue:
+    if isinstance(v, bool):
+        return AnyValue(bool_value=v)
+    if isinstance(v, int):
+        return AnyValue(int_value=v)
+    if isinstance(v, float):
+        return AnyValue(double_value=v)
+    if isinstance(v, list | tuple):
+        return AnyValue(array_value=ArrayValue(values=[_value(x) for x in v]))
+    return AnyValue(string_value=str(v))
+
+
+def _attributes(attrs: Mapping[str, Any]) -> list[KeyValue]:
+    return [KeyValue(key=k, value=_value(v)) for k, v in attrs.items() if v is not None]
+
+
+def _ns(at: datetime | None) -> int:
+    return int(aware(at).timestamp() * 1e9) if isinstance(at, datetime) else 0
+
+
+def _parts(m: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An OpenAI chat message's content as the GenAI convention's parts (text, tool_call,
+    tool_call_response); a part of another type (an image) as the client sent it."""
+    content = m.get("content")
+    if m.get("role") == "tool":
+        return [{"type": "tool_call_response", "id": m.get("tool_call_id"), "response": content}]
+    parts: list[dict[str, Any]] = []
+    if isinstance(content, str) and content:
+        parts.append({"type": "text", "content": content})
+    elif isinstance(content, list):
+        for p in content:
+            is_text = isinstance(p, dict) and p.get("type") == "text"
+            parts.append({"type": "text", "content": p.get("text")} if is_text else p)
+    for call in m.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        parts.append(
+            {
+                "type": "tool_call",
+                "id": call.get("id"),
+                "name": fn.get("name"),
+                "arguments": _json(fn.get("arguments")),
+            }
+        )
+    return parts
+
+
+def _messages(request: Mapping[str, Any], response: Mapping[str, Any]) -> dict[str, Any]:
+    """gen_ai.input.messages, gen_ai.output.messages and gen_ai.tool.definitions (JSON strings)."""
+    if isinstance(request.get("messages"), list):
+        inputs = [
+            {"role": m.get("role"), "parts": _parts(m)} for m in request["messages"] if isinstance(m, dict)
+        ]
+    else:  # /v1/completions: the prompt as the user's text
+        inputs = [{"role": "user", "parts": [{"type": "text", "content": request.get("prompt")}]}]
+    outputs = []
+    for choice in response.get("choices") or ():
+        m = choice.get("message") if "message" in choice else {"content": choice.get("text")}
+        outputs.append(
+            {"role": "assistant", "parts": _parts(m or {}), "finish_reason": choice.get("finish_reason")}
+        )
+    return {
+        "gen_ai.input.messages": orjson.dumps(inputs).decode(),
+        "gen_ai.output.messages": orjson.dumps(outputs).decode() if outputs else None,
+        "gen_ai.tool.definitions": orjson.dumps(request["tools"]).decode() if request.get("tools") else None,
+    }
+
+
+def call_span(call: Mapping[str, Any], content: bool = False) -> Span:
+    """The span of one call: `call` holds the `completions` columns (a stored row, or a
+    `CompletionRecord`'s fields) and `group_id`; `content` adds the messages (module doc)."""
+    request = _json(call.get("request"))
+    request = request if isinstance(request, dict) else {}
+    response = _json(call.get("response"))
+    response = response if isinstance(response, dict) else {}
+    run_id, capture_id = call.get("run_id"), str(call.get("capture_id") or call.get("id"))
+    operation = "text_completion" if call.get("endpoint") == Endpoint.COMPLETIONS else "chat"
+    reasons = [c.get("finish_reason") for c in response.get("choices") or () if c.get("finish_reason")]
+    failed = call.get("status") not in (None, "ok") or (call.get("status_code") or 200) >= 400
+    attrs = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.request.model": request.get("model"),
+        "gen_ai.response.model": response.get("model") or call.get("adapter"),
+        "gen_ai.response.id": response.get("id"),
+        "gen_ai.request.temperature": request.get("temperature"),
+        "gen_ai.request.top_p": request.get("top_p"),
+        "gen_ai.request.max_tokens": request.get("max_tokens") or request.get("max_completion_tokens"),
+        "gen_ai.usage.input_tokens": call.get("prompt_tokens"),
+        "gen_ai.usage.output_tokens": call.get("completion_tokens"),
+        "gen_ai.response.finish_reasons": reasons
+        or ([call["finish_reason"]] if call.get("finish_reason") else None),
+        "error.type": str(call.get("status_code") or call.get("status")) if failed else None,
+        "rlproxy.run_id": run_id,
+        "rlproxy.group_id": call.get("group_id"),
+        "rlproxy.policy": call.get("policy"),
+        "rlproxy.policy_step": call.get("policy_step"),
+        "rlproxy.adapter": call.get("adapter"),
+        "rlproxy.api": call.get("endpoint"),
+        "rlproxy.source": call.get("source"),
+        "rlproxy.ttft_ms": call.get("ttft_ms"),
+    }
+    if content:
+        attrs.update(_messages(request, response))
+    start = _ns(call.get("created_at"))
+    return Span(
+        trace_id=trace_id(run_id) if run_id else _id("call", capture_id, 16),
+        span_id=_id("call", capture_id, 8),
+        name=f"{operation} {request.get('model') or call.get('policy') or ''}".strip(),
+        kind=Span.SPAN_KIND_CLIENT,
+        start_time_unix_nano=start,
+        end_time_unix_nano=start + int((call.get("latency_ms") or 0.0) * 1e6),
+        attributes=_attributes(attrs),
+        status=Status(code=Status.STATUS_CODE_ERROR, message=call.get("error") or "")
+        if failed
+        else Status(code=Status.STATUS_CODE_UNSET),
+    )
+
+
+def reward_span(run_id: str, reward: float, at: datetime | None, **more: Any) -> Span:
+    """The span a run's reward is (module doc): `more` are further rlproxy.* attributes."""
+    at_ns = _ns(at)
+    attrs = {"rlproxy.run_id": run_id, "rlproxy.reward": float(reward)}
+    attrs.update({f"rlproxy.{k}": v for k, v in more.items()})
+    return Span(
+        trace_id=trace_id(run_id),
+        span_id=_id("reward", run_id, 8),
+        name=REWARD_SPAN,
+        kind=Span.SPAN_KIND_INTERNAL,
+        start_time_unix_nano=at_ns,
+        end_time_unix_nano=at_ns,
+        attributes=_attributes(attrs),
+    )
+
+
+def export_request(spans: Iterable[Span]) -> ExportTraceServiceRequest:
+    """The OTLP request that carries `spans` (resource service.name "rlproxy", scope "rlproxy")."""
+    return ExportTraceServiceRequest(
+        resource_spans=[
+            ResourceSpans(
+                resource=Resource(attributes=_attributes({"service.name": SERVICE_NAME})),
+                scope_spans=[ScopeSpans(scope=InstrumentationScope(name="rlproxy"), spans=spans)],
+            )
+        ]
+    )
+
+
+def json_line(request: ExportTraceServiceRequest) -> bytes:
+    """`request` as OTLP/JSON on one line (as the collector's file exporter writes it): camelCase
+    keys, enums as integers, trace and span ids as hex (not protobuf JSON's base64)."""
+    out = MessageToDict(request, use_integers_for_enums=True)
+    for rs in out.get("resourceSpans", ()):
+        for ss in rs.get("scopeSpans", ()):
+            for span in ss.get("spans", ()):
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if span.get(key):
+                        span[key] = base64.b64decode(span[key]).hex()
+    return orjson.dumps(out) + b"\n"
