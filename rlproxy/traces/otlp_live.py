@@ -5,8 +5,8 @@ Off the hot path: the writer calls `offer` with the record it was handed (`Write
 `offer` only appends it to a bounded deque (~0.1 µs; creating the span there with the OTel SDK cost
 ~32 µs a call, measured on the dev box, and its trace id cannot be the run's without more). A
 task on the serving loop takes a batch every `otlp_interval` seconds (sooner when `otlp_batch_size`
-are waiting), builds the spans and encodes the request on a thread, and POSTs it; no request ever
-awaits it. Past `otlp_queue_max` waiting, a new span is dropped and counted. A batch the endpoint
+are waiting), builds the spans a few at a time between requests (`encode`), and POSTs them; no
+request ever awaits it. Past `otlp_queue_max` waiting, a new span is dropped and counted. A batch the endpoint
 refuses or does not answer within `otlp_timeout` is counted failed and not sent again: the store
 keeps every call, and `rlproxy export --format otlp` writes them all.
 
@@ -30,12 +30,20 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rlproxy.settings import TracesSettings
-from rlproxy.storage.records import CompletionRecord, default_group
+from rlproxy.storage.records import CompletionRecord
+from rlproxy.storage.rows import group_of
 from rlproxy.storage.runner import Reward
-from rlproxy.traces.otlp_spans import ExportTraceServiceResponse, call_span, export_request, reward_span
+from rlproxy.traces.otlp_spans import (
+    ExportTraceServiceResponse,
+    add_span,
+    call_span,
+    export_request,
+    reward_span,
+)
 
 log = logging.getLogger(__name__)
 PATH = "/v1/traces"
+CHUNK = 8  # spans built between two turns of the serving loop (`encode`)
 
 
 def traces_url(endpoint: str) -> str:
@@ -59,21 +67,21 @@ def _span(item: CompletionRecord | Reward, content: bool, at: datetime) -> Any:
     if isinstance(item, Reward):
         return reward_span(item.run_id, item.reward, at, reward_source="app")  # type: ignore[arg-type]
     call = dict(vars(item))
-    call["group_id"] = (
-        item.group_id
-        or item.default_group
-        or (
-            default_group(item.policy, item.request)
-            if item.run_id and isinstance(item.request, dict)
-            else None
-        )
-    )
+    # the run's group as the writer gives it to a new run (an untagged call has none)
+    call["group_id"] = item.group_id or item.default_group or (group_of(item) if item.run_id else None)
     return call_span(call, content)
 
 
-def encode(items: list[tuple[CompletionRecord | Reward, datetime]], content: bool) -> bytes:
-    """The protobuf body of one export request for `items` (on a thread: off the serving loop)."""
-    return export_request([_span(item, content, at) for item, at in items]).SerializeToString()
+async def encode(items: list[tuple[CompletionRecord | Reward, datetime]], content: bool) -> bytes:
+    """The protobuf body of one export request for `items`, built on the serving loop a few spans
+    at a time: a request that comes meanwhile waits for CHUNK spans at most (~0.3 ms), where a
+    thread holding the interpreter lock could keep it waiting its whole switch interval (5 ms)."""
+    request = export_request()
+    for i, (item, at) in enumerate(items, 1):
+        add_span(request, _span(item, content, at))
+        if i % CHUNK == 0:
+            await asyncio.sleep(0)
+    return request.SerializeToString()
 
 
 class OtlpExporter:
@@ -142,7 +150,7 @@ class OtlpExporter:
 
     async def _send(self, client: httpx.AsyncClient, batch: list[tuple[Any, datetime]]) -> None:
         try:
-            body = await asyncio.to_thread(encode, batch, self.settings.otlp_capture_content)
+            body = await encode(batch, self.settings.otlp_capture_content)
             resp = await client.post(self.url, content=body, headers=self.headers)
             resp.raise_for_status()
         except Exception as exc:  # a dead or slow endpoint costs its spans, never a request

@@ -34,7 +34,7 @@ from __future__ import annotations
 import base64
 import hashlib
 from collections.abc import Iterable, Mapping
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -49,7 +49,7 @@ try:
         ExportTraceServiceRequest,
         ExportTraceServiceResponse,  # noqa: F401  (otlp_live.py reads the endpoint's answer)
     )
-    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, InstrumentationScope, KeyValue
+    from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
     from opentelemetry.proto.resource.v1.resource_pb2 import Resource
     from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 except ImportError as exc:  # the library runs without the extra; only this feature needs it
@@ -57,6 +57,7 @@ except ImportError as exc:  # the library runs without the extra; only this feat
 
 SERVICE_NAME = "rlproxy"  # the resource's service.name: what Phoenix and Langfuse group the traces by
 REWARD_SPAN = "rlproxy.reward"
+EPOCH, MICROSECOND = datetime(1970, 1, 1, tzinfo=UTC), timedelta(microseconds=1)
 
 
 def _id(kind: str, key: str, size: int) -> bytes:
@@ -77,24 +78,26 @@ def _json(value: Any) -> Any:
     return value
 
 
-def _value(v: Any) -> AnyValue:
+def _value(v: Any) -> dict[str, Any]:
+    """An attribute value as AnyValue's fields (a dict builds the message ~3x faster than objects)."""
     if isinstance(v, bool):
-        return AnyValue(bool_value=v)
+        return {"bool_value": v}
     if isinstance(v, int):
-        return AnyValue(int_value=v)
+        return {"int_value": v}
     if isinstance(v, float):
-        return AnyValue(double_value=v)
+        return {"double_value": v}
     if isinstance(v, list | tuple):
-        return AnyValue(array_value=ArrayValue(values=[_value(x) for x in v]))
-    return AnyValue(string_value=str(v))
+        return {"array_value": {"values": [_value(x) for x in v]}}
+    return {"string_value": str(v)}
 
 
-def _attributes(attrs: Mapping[str, Any]) -> list[KeyValue]:
-    return [KeyValue(key=k, value=_value(v)) for k, v in attrs.items() if v is not None]
+def _attributes(attrs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [{"key": k, "value": _value(v)} for k, v in attrs.items() if v is not None]
 
 
 def _ns(at: datetime | None) -> int:
-    return int(aware(at).timestamp() * 1e9) if isinstance(at, datetime) else 0
+    """Nanoseconds since the epoch, exactly (a float timestamp loses the last microseconds)."""
+    return (aware(at) - EPOCH) // MICROSECOND * 1000 if isinstance(at, datetime) else 0
 
 
 def _parts(m: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -144,9 +147,10 @@ def _messages(request: Mapping[str, Any], response: Mapping[str, Any]) -> dict[s
     }
 
 
-def call_span(call: Mapping[str, Any], content: bool = False) -> Span:
-    """The span of one call: `call` holds the `completions` columns (a stored row, or a
-    `CompletionRecord`'s fields) and `group_id`; `content` adds the messages (module doc)."""
+def call_span(call: Mapping[str, Any], content: bool = False) -> dict[str, Any]:
+    """The span of one call, as the `Span` fields (`export_request` adds them to its request in
+    place: a built Span would be copied there): `call` holds the `completions` columns (a stored
+    row, or a `CompletionRecord`'s fields) and `group_id`; `content` adds the messages (module doc)."""
     request = _json(call.get("request"))
     request = request if isinstance(request, dict) else {}
     response = _json(call.get("response"))
@@ -180,7 +184,7 @@ def call_span(call: Mapping[str, Any], content: bool = False) -> Span:
     if content:
         attrs.update(_messages(request, response))
     start = _ns(call.get("created_at"))
-    return Span(
+    return dict(
         trace_id=trace_id(run_id) if run_id else _id("call", capture_id, 16),
         span_id=_id("call", capture_id, 8),
         name=f"{operation} {request.get('model') or call.get('policy') or ''}".strip(),
@@ -194,12 +198,13 @@ def call_span(call: Mapping[str, Any], content: bool = False) -> Span:
     )
 
 
-def reward_span(run_id: str, reward: float, at: datetime | None, **more: Any) -> Span:
-    """The span a run's reward is (module doc): `more` are further rlproxy.* attributes."""
+def reward_span(run_id: str, reward: float, at: datetime | None, **more: Any) -> dict[str, Any]:
+    """The span a run's reward is (module doc), as `call_span` gives it: `more` are further
+    rlproxy.* attributes."""
     at_ns = _ns(at)
     attrs = {"rlproxy.run_id": run_id, "rlproxy.reward": float(reward)}
     attrs.update({f"rlproxy.{k}": v for k, v in more.items()})
-    return Span(
+    return dict(
         trace_id=trace_id(run_id),
         span_id=_id("reward", run_id, 8),
         name=REWARD_SPAN,
@@ -210,16 +215,25 @@ def reward_span(run_id: str, reward: float, at: datetime | None, **more: Any) ->
     )
 
 
-def export_request(spans: Iterable[Span]) -> ExportTraceServiceRequest:
-    """The OTLP request that carries `spans` (resource service.name "rlproxy", scope "rlproxy")."""
-    return ExportTraceServiceRequest(
+def export_request(spans: Iterable[dict[str, Any]] = ()) -> ExportTraceServiceRequest:
+    """The OTLP request that carries `spans` (`call_span`'s; resource service.name "rlproxy", scope
+    "rlproxy"); `add_span` adds more."""
+    request = ExportTraceServiceRequest(
         resource_spans=[
             ResourceSpans(
                 resource=Resource(attributes=_attributes({"service.name": SERVICE_NAME})),
-                scope_spans=[ScopeSpans(scope=InstrumentationScope(name="rlproxy"), spans=spans)],
+                scope_spans=[ScopeSpans(scope=InstrumentationScope(name="rlproxy"))],
             )
         ]
     )
+    for span in spans:
+        add_span(request, span)
+    return request
+
+
+def add_span(request: ExportTraceServiceRequest, span: dict[str, Any]) -> None:
+    """Add a span (`call_span`'s) to `request`'s one scope, built in place."""
+    request.resource_spans[0].scope_spans[0].spans.add(**span)
 
 
 def json_line(request: ExportTraceServiceRequest) -> bytes:

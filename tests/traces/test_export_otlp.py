@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from typer.testing import CliRunner
 
 from rlproxy.cli import main
@@ -27,9 +28,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 def _attrs(span: Any) -> dict[str, Any]:
-    """A span's attributes as plain values (arrays as lists)."""
+    """A span's attributes (a decoded Span, or `call_span`'s fields) as plain values (arrays as lists)."""
     out = {}
-    for kv in span.attributes:
+    for kv in (Span(**span) if isinstance(span, dict) else span).attributes:
         v = kv.value
         kind = v.WhichOneof("value")
         out[kv.key] = (
