@@ -1,6 +1,2 @@
-"""Traces in and out: rlproxy's calls as OpenTelemetry GenAI spans (`otlp_*.py`: live export to an
-OTLP endpoint and `rlproxy export --format otlp`), and other tools' traces as runs (`rlproxy import`).
-
-Everything here imports the OTLP proto classes (the `traces` extra) and is imported only where the
-feature is used, so the rest of rlproxy runs without them.
-"""
+"""Traces in and out: other tools' traces imported as runs (`imports.py`, `readers/`), ours exported
+as OpenTelemetry GenAI spans (`export*.py`). `genai.py` names the attributes both sides read and write."""
