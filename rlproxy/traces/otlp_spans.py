@@ -13,12 +13,13 @@ A span per call, kind CLIENT, named "{gen_ai.operation.name} {gen_ai.request.mod
 request's arrival (`created_at`) to its last byte (`latency_ms`), status ERROR with the error for a
 failed call. Its attributes (docs/traces_export.md lists them):
 
-    gen_ai.*   the GenAI semantic conventions: operation.name (chat | text_completion),
-               request.model, response.model, response.id, request.temperature, request.top_p,
-               request.max_tokens, usage.input_tokens, usage.output_tokens,
-               response.finish_reasons, error.type (the HTTP status of a failed call); with content
-               capture on (the convention's opt-in): input.messages, output.messages (JSON, the
-               convention's role + parts form) and tool.definitions
+    gen_ai.*   the GenAI semantic conventions (names from `genai.py`, shared with `rlproxy
+               import`): operation.name (chat | text_completion), request.model, response.model,
+               response.id, the request's parameters (request.temperature, top_p, max_tokens, seed,
+               frequency_penalty, presence_penalty, stop_sequences), usage.input_tokens,
+               usage.output_tokens, response.finish_reasons, and error.type (the HTTP status of a
+               failed call); with content capture on (the convention's opt-in): input.messages,
+               output.messages (JSON, the convention's role + parts form) and tool.definitions
     rlproxy.*  ours: run_id, group_id, policy, policy_step, adapter (the model the upstream served),
                api (the completions.endpoint value), source ("hosted": a text-only upstream),
                ttft_ms
@@ -42,6 +43,7 @@ import orjson
 from rlproxy.errors import ConfigError
 from rlproxy.storage.records import Endpoint
 from rlproxy.storage.times import aware
+from rlproxy.traces import genai
 
 try:
     from google.protobuf.json_format import MessageToDict
@@ -57,6 +59,7 @@ except ImportError as exc:  # the library runs without the extra; only this feat
 
 SERVICE_NAME = "rlproxy"  # the resource's service.name: what Phoenix and Langfuse group the traces by
 REWARD_SPAN = "rlproxy.reward"
+MAX_TOKENS = "gen_ai.request.max_tokens"
 EPOCH, MICROSECOND = datetime(1970, 1, 1, tzinfo=UTC), timedelta(microseconds=1)
 
 
@@ -105,22 +108,23 @@ def _parts(m: Mapping[str, Any]) -> list[dict[str, Any]]:
     tool_call_response); a part of another type (an image) as the client sent it."""
     content = m.get("content")
     if m.get("role") == "tool":
-        return [{"type": "tool_call_response", "id": m.get("tool_call_id"), "response": content}]
+        return [{"type": genai.PART_TOOL_RESPONSE, "id": m.get("tool_call_id"), "response": content}]
     parts: list[dict[str, Any]] = []
     if isinstance(content, str) and content:
-        parts.append({"type": "text", "content": content})
+        parts.append({"type": genai.PART_TEXT, "content": content})
     elif isinstance(content, list):
         for p in content:
             is_text = isinstance(p, dict) and p.get("type") == "text"
-            parts.append({"type": "text", "content": p.get("text")} if is_text else p)
+            parts.append({"type": genai.PART_TEXT, "content": p.get("text")} if is_text else p)
     for call in m.get("tool_calls") or ():
         fn = call.get("function") or {}
+        arguments = _json(fn.get("arguments"))
         parts.append(
             {
-                "type": "tool_call",
+                "type": genai.PART_TOOL_CALL,
                 "id": call.get("id"),
                 "name": fn.get("name"),
-                "arguments": _json(fn.get("arguments")),
+                "arguments": arguments,
             }
         )
     return parts
@@ -133,7 +137,7 @@ def _messages(request: Mapping[str, Any], response: Mapping[str, Any]) -> dict[s
             {"role": m.get("role"), "parts": _parts(m)} for m in request["messages"] if isinstance(m, dict)
         ]
     else:  # /v1/completions: the prompt as the user's text
-        inputs = [{"role": "user", "parts": [{"type": "text", "content": request.get("prompt")}]}]
+        inputs = [{"role": "user", "parts": [{"type": genai.PART_TEXT, "content": request.get("prompt")}]}]
     outputs = []
     for choice in response.get("choices") or ():
         m = choice.get("message") if "message" in choice else {"content": choice.get("text")}
@@ -141,9 +145,9 @@ def _messages(request: Mapping[str, Any], response: Mapping[str, Any]) -> dict[s
             {"role": "assistant", "parts": _parts(m or {}), "finish_reason": choice.get("finish_reason")}
         )
     return {
-        "gen_ai.input.messages": orjson.dumps(inputs).decode(),
-        "gen_ai.output.messages": orjson.dumps(outputs).decode() if outputs else None,
-        "gen_ai.tool.definitions": orjson.dumps(request["tools"]).decode() if request.get("tools") else None,
+        genai.INPUT_MESSAGES: orjson.dumps(inputs).decode(),
+        genai.OUTPUT_MESSAGES: orjson.dumps(outputs).decode() if outputs else None,
+        genai.TOOL_DEFINITIONS: orjson.dumps(request["tools"]).decode() if request.get("tools") else None,
     }
 
 
@@ -158,19 +162,18 @@ def call_span(call: Mapping[str, Any], content: bool = False) -> dict[str, Any]:
     run_id, capture_id = call.get("run_id"), str(call.get("capture_id") or call.get("id"))
     operation = "text_completion" if call.get("endpoint") == Endpoint.COMPLETIONS else "chat"
     reasons = [c.get("finish_reason") for c in response.get("choices") or () if c.get("finish_reason")]
+    if not reasons and call.get("finish_reason"):
+        reasons = [call["finish_reason"]]
     failed = call.get("status") not in (None, "ok") or (call.get("status_code") or 200) >= 400
     attrs = {
-        "gen_ai.operation.name": operation,
-        "gen_ai.request.model": request.get("model"),
-        "gen_ai.response.model": response.get("model") or call.get("adapter"),
-        "gen_ai.response.id": response.get("id"),
-        "gen_ai.request.temperature": request.get("temperature"),
-        "gen_ai.request.top_p": request.get("top_p"),
-        "gen_ai.request.max_tokens": request.get("max_tokens") or request.get("max_completion_tokens"),
-        "gen_ai.usage.input_tokens": call.get("prompt_tokens"),
-        "gen_ai.usage.output_tokens": call.get("completion_tokens"),
-        "gen_ai.response.finish_reasons": reasons
-        or ([call["finish_reason"]] if call.get("finish_reason") else None),
+        genai.OPERATION: operation,
+        genai.REQUEST_MODEL: request.get("model"),
+        genai.RESPONSE_MODEL: response.get("model") or call.get("adapter"),
+        genai.RESPONSE_ID: response.get("id"),
+        **{attr: request.get(key) for attr, key in genai.REQUEST_PARAMS.items()},
+        genai.INPUT_TOKENS: call.get("prompt_tokens"),
+        genai.OUTPUT_TOKENS: call.get("completion_tokens"),
+        genai.FINISH_REASONS: reasons or None,
         "error.type": str(call.get("status_code") or call.get("status")) if failed else None,
         "rlproxy.run_id": run_id,
         "rlproxy.group_id": call.get("group_id"),
@@ -181,6 +184,8 @@ def call_span(call: Mapping[str, Any], content: bool = False) -> dict[str, Any]:
         "rlproxy.source": call.get("source"),
         "rlproxy.ttft_ms": call.get("ttft_ms"),
     }
+    if attrs[MAX_TOKENS] is None:  # the newer name of the same bound
+        attrs[MAX_TOKENS] = request.get("max_completion_tokens")
     if content:
         attrs.update(_messages(request, response))
     start = _ns(call.get("created_at"))
@@ -192,9 +197,7 @@ def call_span(call: Mapping[str, Any], content: bool = False) -> dict[str, Any]:
         start_time_unix_nano=start,
         end_time_unix_nano=start + int((call.get("latency_ms") or 0.0) * 1e6),
         attributes=_attributes(attrs),
-        status=Status(code=Status.STATUS_CODE_ERROR, message=call.get("error") or "")
-        if failed
-        else Status(code=Status.STATUS_CODE_UNSET),
+        status={"code": Status.STATUS_CODE_ERROR, "message": call.get("error") or ""} if failed else {},
     )
 
 
