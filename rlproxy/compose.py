@@ -183,18 +183,6 @@ def canary_router(settings: Settings, policies: Policies, metrics: Metrics) -> A
     return RolloutService(router, None, settings.policy_poll_interval)
 
 
-def otlp_exporter(settings: Settings, metrics: Metrics) -> Any:
-    """The live export of every call as an OTLP span (traces/otlp_live.py), a lifespan service that
-    the writer feeds, counted on `/metrics`; None without `otlp_endpoint`."""
-    if not settings.otlp_endpoint:
-        return None
-    from rlproxy.traces.otlp_live import OtlpExporter  # lazy: the traces extra
-
-    exporter = OtlpExporter(settings.group(TracesSettings))
-    metrics.registry.register(exporter)
-    return exporter
-
-
 def sibling_service(
     settings: Settings, backend: Backend, policies: Policies, hosted_specs: dict[str, Any], metrics: Metrics
 ) -> Any:
@@ -260,10 +248,8 @@ class InitAdapter:
 
 
 def build_app(settings: Settings, backend: Backend | None = None) -> ErrorShapes:
-    """The ASGI app `rlproxy serve` serves: backend, trainer and proxy, wired together.
-
-    Its `.state.proxy` is the `ProxyState` every route shares (tests and tools read it there).
-    """
+    """The ASGI app `rlproxy serve` serves: backend, trainer and proxy, wired together. Its
+    `.state.proxy` is the `ProxyState` every route shares (tests and tools read it there)."""
     backend = backend if backend is not None else make_backend(settings)
     if settings.writer_idle_priority is None:  # unset: idle when the engine is a server of its own
         idle = isinstance(backend, VLLMBackend) and settings.writer_process  # (the embedded one
@@ -299,10 +285,12 @@ def build_app(settings: Settings, backend: Backend | None = None) -> ErrorShapes
         if rollout is not None and trainer.rollouts is not None:  # routed by a decision once written
             trainer.rollouts.on_decision = rollout.refresh
     siblings = sibling_service(settings, backend, policies, hosted_specs, metrics)
-    spans = otlp_exporter(settings, metrics)  # first in, last out: it sends what the others made
-    services = tuple(
-        s for s in (spans, rollout, init, trainer, siblings) if s is not None
-    )  # started in order
+    spans = None  # every call as an OTLP span (traces/otlp_live.py): first in, last out, on /metrics
+    if settings.otlp_endpoint:
+        from rlproxy.traces.otlp_live import OtlpExporter  # lazy: the traces extra
+
+        spans = OtlpExporter(settings.group(TracesSettings), lambda: state.writer, metrics.registry)
+    services = tuple(s for s in (spans, rollout, init, trainer, siblings) if s is not None)  # in order
     state = ProxyState(
         settings=settings,
         backend=backend,
@@ -315,8 +303,6 @@ def build_app(settings: Settings, backend: Backend | None = None) -> ErrorShapes
     metrics.registry.register(state.keys)  # requests, tokens and refusals per app key
     if rollout is not None:
         rollout.state = state
-    if spans is not None:  # the writer is the lifespan's: hooked when the service starts
-        spans.writer_of = lambda: state.writer
 
     api = create_app(state)
     # The hot routes are not here: `HotPath` (below) serves them before FastAPI sees the request,

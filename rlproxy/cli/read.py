@@ -171,7 +171,7 @@ def export(
         typer.Option(
             "--format",
             help="jsonl (no extra needed), parquet, hf (a datasets folder), or OpenTelemetry GenAI spans, "
-            "a trace per run: otlp (OTLP/JSON lines) or otlp-proto (size-prefixed protobuf)",
+            "a trace per run: otlp (OTLP/JSON lines) or otlp-proto (length-delimited protobuf)",
         ),
     ],
     out: Annotated[

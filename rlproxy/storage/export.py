@@ -47,7 +47,8 @@ BATCH = 200  # runs read per round trip
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 
-def _json(value: Any) -> Any:
+def json_value(value: Any) -> Any:
+    """A JSON column's value parsed when the driver handed back its text (else as it is)."""
     if isinstance(value, str | bytes):
         try:
             return orjson.loads(value)
@@ -86,12 +87,12 @@ def _choice0(values: Any) -> list[Any] | None:
 def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]) -> dict[str, Any]:
     """The export record of one run (module doc): `run` is its row, `messages` the view's column,
     `completions` its rows in seq order."""
-    msgs = [_message(m) for m in (_json(messages) or []) if isinstance(m, dict)]
+    msgs = [_message(m) for m in (json_value(messages) or []) if isinstance(m, dict)]
     last_reply = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
     split = last_reply if last_reply is not None and last_reply == len(msgs) - 1 else len(msgs)
     tools = None
     for c in reversed(completions):
-        request = _json(c.get("request"))
+        request = json_value(c.get("request"))
         if isinstance(request, dict) and "messages" in request:
             tools = request.get("tools") or None
             break
@@ -103,8 +104,8 @@ def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]
         "split": run.get("split"),
         "reward": run.get("reward"),
         "reward_source": run.get("reward_source"),
-        "metrics": _json(run.get("metrics")),
-        "metadata": _json(run.get("metadata")),
+        "metrics": json_value(run.get("metrics")),
+        "metadata": json_value(run.get("metadata")),
         "created_at": iso(run.get("created_at")),
         "completed_at": iso(run.get("completed_at")),
         "trained_step": run.get("trained_step"),
@@ -121,9 +122,9 @@ def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]
                 "finish_reason": c.get("finish_reason"),
                 "prompt_tokens": c.get("prompt_tokens"),
                 "completion_tokens": c.get("completion_tokens"),
-                "prompt_token_ids": _json(c.get("prompt_token_ids")),
-                "token_ids": _choice0(_json(c.get("token_ids"))),
-                "logprobs": _choice0(_json(c.get("logprobs"))),
+                "prompt_token_ids": json_value(c.get("prompt_token_ids")),
+                "token_ids": _choice0(json_value(c.get("token_ids"))),
+                "logprobs": _choice0(json_value(c.get("logprobs"))),
             }
             for c in completions
         ],

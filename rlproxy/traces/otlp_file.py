@@ -3,7 +3,8 @@
 One OTLP `ExportTraceServiceRequest` per run (its trace): its calls' spans and, when it has a reward,
 its reward span (`otlp_spans.py`; the same ids as the live export gave them). `otlp`: OTLP/JSON, one
 request per line, as the collector's file exporter writes it; `otlp-proto`: binary protobuf, each
-request after its size as 4 bytes big-endian (the file exporter's `format: proto`). Messages and
+request after its size as a varint (protobuf's length-delimited stream, what `rlproxy import
+--format otlp-proto` reads). Messages and
 tool definitions only with `content`. Runs are read BATCH at a time (storage/export.py), so memory
 does not grow with the store; untagged calls (no run) are not exported.
 """
@@ -56,15 +57,33 @@ async def write(
             request = run_request(run, completions, content)
             if binary:
                 data = request.SerializeToString()
-                yield len(data).to_bytes(4, "big") + data
+                yield _varint(len(data)) + data
             else:
                 yield json_line(request)
 
     return await export.write_lines(Path(out), lines())
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out) + bytes([n])
+
+
 def read_proto(path: Path) -> Iterator[ExportTraceServiceRequest]:
     """The requests of an `otlp-proto` file, in order."""
-    with Path(path).open("rb") as f:
-        while size := f.read(4):
-            yield ExportTraceServiceRequest.FromString(f.read(int.from_bytes(size, "big")))
+    data = Path(path).read_bytes()
+    at = 0
+    while at < len(data):
+        size = shift = 0
+        while True:
+            byte = data[at]
+            at += 1
+            size |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                break
+        yield ExportTraceServiceRequest.FromString(data[at : at + size])
+        at += size

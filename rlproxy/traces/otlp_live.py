@@ -63,7 +63,7 @@ def parse_headers(spec: str) -> dict[str, str]:
     return out
 
 
-def _span(item: CompletionRecord | Reward, content: bool, at: datetime) -> Any:
+def _span(item: CompletionRecord | Reward, content: bool, at: datetime | None) -> Any:
     if isinstance(item, Reward):
         return reward_span(item.run_id, item.reward, at, reward_source="app")  # type: ignore[arg-type]
     call = dict(vars(item))
@@ -72,7 +72,7 @@ def _span(item: CompletionRecord | Reward, content: bool, at: datetime) -> Any:
     return call_span(call, content)
 
 
-async def encode(items: list[tuple[CompletionRecord | Reward, datetime]], content: bool) -> bytes:
+async def encode(items: list[tuple[CompletionRecord | Reward, datetime | None]], content: bool) -> bytes:
     """The protobuf body of one export request for `items`, built on the serving loop a few spans
     at a time: a request that comes meanwhile waits for CHUNK spans at most (~0.3 ms), where a
     thread holding the interpreter lock could keep it waiting its whole switch interval (5 ms)."""
@@ -87,24 +87,31 @@ async def encode(items: list[tuple[CompletionRecord | Reward, datetime]], conten
 class OtlpExporter:
     """The live exporter (module doc): `offer` on the writer's path, a task that sends batches."""
 
-    def __init__(self, settings: TracesSettings, writer_of: Any = None) -> None:
+    def __init__(self, settings: TracesSettings, writer_of: Any = None, registry: Any = None) -> None:
+        """`writer_of`: () -> the Writer to hook into at start (compose.py: the lifespan makes it);
+        `registry`: the Prometheus registry that `/metrics` reads, if any."""
         self.settings = settings
         self.url = traces_url(settings.otlp_endpoint)
         self.headers = {**parse_headers(settings.otlp_headers), "Content-Type": "application/x-protobuf"}
-        self.writer_of = writer_of  # () -> the Writer (compose.py: the lifespan makes it)
-        self._queue: collections.deque[tuple[Any, datetime]] = collections.deque()
+        self.writer_of = writer_of
+        # (a record or a reward, the time a reward was stored)
+        self._queue: collections.deque[tuple[Any, datetime | None]] = collections.deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
         self.exported = self.dropped = self.failed = 0
         self._up = True  # the last export went through (a warning when that changes, not per batch)
+        if registry is not None:
+            registry.register(self)
 
     def offer(self, item: CompletionRecord | Reward) -> None:
         """Queue a record (or a stored reward) for export; never blocks, never raises."""
         if len(self._queue) >= self.settings.otlp_queue_max or self._closing:
             self.dropped += 1
+            if self.dropped == 1:
+                log.warning("OTLP export: queue full (%d spans), dropping new ones", len(self._queue))
             return
-        self._queue.append((item, datetime.now(UTC)))
+        self._queue.append((item, datetime.now(UTC) if isinstance(item, Reward) else None))
         if len(self._queue) >= self.settings.otlp_batch_size:
             self._wake.set()
 
@@ -148,11 +155,14 @@ class OtlpExporter:
                     if len(self._queue) < self.settings.otlp_batch_size and not self._closing:
                         break  # a partial batch waits for the next interval
 
-    async def _send(self, client: httpx.AsyncClient, batch: list[tuple[Any, datetime]]) -> None:
+    async def _send(self, client: httpx.AsyncClient, batch: list[tuple[Any, datetime | None]]) -> None:
         try:
             body = await encode(batch, self.settings.otlp_capture_content)
             resp = await client.post(self.url, content=body, headers=self.headers)
             resp.raise_for_status()
+        except asyncio.CancelledError:  # shutdown's deadline passed while this batch was out
+            self.failed += len(batch)
+            raise
         except Exception as exc:  # a dead or slow endpoint costs its spans, never a request
             if self._up:
                 log.warning("OTLP export to %s failed (%d spans): %s", self.url, len(batch), exc)

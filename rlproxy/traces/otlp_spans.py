@@ -41,6 +41,7 @@ from typing import Any
 import orjson
 
 from rlproxy.errors import ConfigError
+from rlproxy.storage.export import json_value
 from rlproxy.storage.records import Endpoint
 from rlproxy.storage.times import aware
 from rlproxy.traces import genai
@@ -70,15 +71,6 @@ def _id(kind: str, key: str, size: int) -> bytes:
 def trace_id(run_id: str) -> bytes:
     """The trace id of a run (16 bytes): the same run, the same trace, wherever it is exported from."""
     return _id("run", run_id, 16)
-
-
-def _json(value: Any) -> Any:
-    if isinstance(value, str | bytes):
-        try:
-            return orjson.loads(value)
-        except orjson.JSONDecodeError:
-            return value
-    return value
 
 
 def _value(v: Any) -> dict[str, Any]:
@@ -118,7 +110,7 @@ def _parts(m: Mapping[str, Any]) -> list[dict[str, Any]]:
             parts.append({"type": genai.PART_TEXT, "content": p.get("text")} if is_text else p)
     for call in m.get("tool_calls") or ():
         fn = call.get("function") or {}
-        arguments = _json(fn.get("arguments"))
+        arguments = json_value(fn.get("arguments"))
         parts.append(
             {
                 "type": genai.PART_TOOL_CALL,
@@ -155,9 +147,9 @@ def call_span(call: Mapping[str, Any], content: bool = False) -> dict[str, Any]:
     """The span of one call, as the `Span` fields (`export_request` adds them to its request in
     place: a built Span would be copied there): `call` holds the `completions` columns (a stored
     row, or a `CompletionRecord`'s fields) and `group_id`; `content` adds the messages (module doc)."""
-    request = _json(call.get("request"))
+    request = json_value(call.get("request"))
     request = request if isinstance(request, dict) else {}
-    response = _json(call.get("response"))
+    response = json_value(call.get("response"))
     response = response if isinstance(response, dict) else {}
     run_id, capture_id = call.get("run_id"), str(call.get("capture_id") or call.get("id"))
     operation = "text_completion" if call.get("endpoint") == Endpoint.COMPLETIONS else "chat"

@@ -122,7 +122,7 @@ def test_live_spans_of_an_sdk_call_and_its_reward(make_proxy, stub, receiver, tm
     assert span["traceId"] == run_trace.hex() and span["kind"] == 3  # hex ids, enums as integers
 
 
-def test_a_stuck_endpoint_never_holds_a_request(make_proxy, stub, receiver):
+def test_a_stuck_endpoint_never_holds_a_request(make_proxy, stub, receiver, tmp_path):
     receiver.gate.clear()  # the endpoint takes the first batch and does not answer
     proxy = make_proxy(
         stub.url,
@@ -140,6 +140,17 @@ def test_a_stuck_endpoint_never_holds_a_request(make_proxy, stub, receiver):
     assert proxy.query("SELECT count(*) FROM completions")[0][0] == 6  # every call stored
     receiver.gate.set()
     _wait(lambda: _metric(proxy, "rlproxy_otlp_spans_exported_total") == 3)
+
+    # every call is in the store, so the command writes the spans the live export dropped
+    proxy.stop()
+    out = tmp_path / "runs.otlp.bin"
+    args = ["export", "--format", "otlp-proto", "--out", str(out), "--db", str(proxy.db_path)]
+    assert CliRunner().invoke(main.app, args).exit_code == 0
+    runs = [
+        _attrs(r.resource_spans[0].scope_spans[0].spans[0])["rlproxy.run_id"]
+        for r in otlp_file.read_proto(out)
+    ]
+    assert runs == [f"stuck-{i}" for i in range(6)]  # one length-delimited request per run, oldest first
 
 
 def test_dead_endpoint_counts_failed_spans(loop_thread, stub):
