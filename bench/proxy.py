@@ -43,6 +43,10 @@ box's scheduler made (wrk, the stub and the writer share the cores), not the pro
        (keys off) in the same rounds, the two in swapped order every round. Prints keys on's line,
        p50/p99 keys on - keys off (goal: p50 within 0.05 ms) and added over direct for each, and its
        rows (stored under the key's namespace, `<key id>~<run id>`) == requests forwarded.
+   10. `--otlp` (issue 58): the same, with a second `rlproxy serve` that exports every call live as an
+       OTLP span (`RLPROXY_OTLP_ENDPOINT`) to a sink in this process (it answers 200, counts what it
+       got): export on against export off (the proxy above); p50 on - off (goal: within 0.05 ms), its
+       rows == requests forwarded, and its spans exported / dropped / failed (its /metrics).
 
 `--pin` gives the serving process (and the floor) a core of its own and puts wrk, the stub, the
 writer process and this process on the others: the layout of a deployment, where the app and the
@@ -55,6 +59,7 @@ model server run elsewhere. Unpinned, all of them share the cores, as on a lapto
     python bench/proxy.py --compare litellm           # direct vs rlproxy vs LiteLLM (make litellm)
     python bench/proxy.py --quick --pin               # the proxy on a core of its own
     python bench/proxy.py --quick --only '^tagged c=1 delay=0$' --keys   # keys on vs keys off
+    python bench/proxy.py --quick --only '^tagged c=1 delay=0$' --otlp   # live OTLP export on vs off
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -422,7 +428,9 @@ def _run_ns(pid: int) -> int:
 class Proxy:
     """`rlproxy serve` attached to the stub, in its own process (so its CPU time is its own)."""
 
-    def __init__(self, stub_url: str, db_path: Path, label: str = "rlproxy serve") -> None:
+    def __init__(
+        self, stub_url: str, db_path: Path, label: str = "rlproxy serve", env: dict | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.label = label  # names it in the lines it prints
@@ -433,6 +441,7 @@ class Proxy:
             "RLPROXY_BACKEND": "vllm",
             "RLPROXY_TRAIN": "false",
             "RLPROXY_DB_URL": f"sqlite+aiosqlite:///{db_path}",
+            **(env or {}),
         }
         cmd = [
             str(VENV_BIN / "rlproxy"),
@@ -498,17 +507,58 @@ class Proxy:
             print(f"\n## {self.label} logged {len(warnings)} warnings or errors; the first: {warnings[0]}")
 
 
+class Sink:
+    """`--otlp`: an OTLP/HTTP endpoint that answers every export 200 (an empty
+    ExportTraceServiceResponse) and counts the requests and bytes it got, on a thread of this process."""
+
+    def __init__(self) -> None:
+        self.requests = self.bytes = 0
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802
+                sink.bytes += len(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                sink.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True, name="bench-otlp-sink").start()
+
+
 class KeysOn:
     """`--keys`: a second `rlproxy serve` on the same stub whose store holds one app key, made as an
     operator makes it (`rlproxy keys create`, no limits, every policy) before it starts, so that
     every request it serves is keyed (hashed bearer, ids namespaced per key, policy check, cache
     salt, counters). The keyed cases also run through it with that key's bearer, in the same rounds
-    as the proxy without keys (`Proxy`, keys off), and their rewards go with the same bearer."""
+    as the proxy without keys (`Proxy`, keys off), and their rewards go with the same bearer.
+
+    `--otlp` (`sink` given): the second proxy has no key and exports every call live to `sink`
+    instead (`RLPROXY_OTLP_ENDPOINT`): export on, against the proxy above (export off)."""
 
     NAME = "bench-app"
 
-    def __init__(self, stub_url: str, db_path: Path, share: float, turns: int) -> None:
-        self.db_path, self.stub_url = db_path, stub_url
+    def __init__(
+        self, stub_url: str, db_path: Path, share: float, turns: int, sink: Sink | None = None
+    ) -> None:
+        self.db_path, self.stub_url, self.sink = db_path, stub_url, sink
+        self.what = "otlp" if sink is not None else "keys"
+        if sink is not None:
+            self.key_id, self.auth, self.scope = "", "", ""
+            self.proxy = Proxy(
+                stub_url, db_path, "rlproxy serve (--otlp: export on)", {"RLPROXY_OTLP_ENDPOINT": sink.url}
+            )
+            self.rewarder = Rewarder(self.proxy.url, db_path, share, turns)
+            self.start(None)
+            return
         out = subprocess.run(
             [str(VENV_BIN / "rlproxy"), "keys", "create", "--name", self.NAME],
             env={**os.environ, "RLPROXY_DB_URL": f"sqlite+aiosqlite:///{db_path}"},
@@ -544,37 +594,45 @@ class KeysOn:
 
 
 def keys_on(keys: KeysOn, name: str, run_id: str, d: dict, off: dict, tagged: bool) -> list[str]:
-    """`--keys`: print the keyed side of case `name` against keys off (`off`, the proxy's slices) and
-    direct (`d`) of the same rounds; return the goals it missed."""
+    """`--keys` (`--otlp`): print the keyed (exporting) side of case `name` against keys off (export
+    off: `off`, the proxy's slices) and direct (`d`) of the same rounds; return the goals it missed."""
     failures: list[str] = []
-    on = combine(keys.slices)
+    what, on = keys.what, combine(keys.slices)
     codes, _ = keys.rewarder.drain(0.0) if tagged else ({}, [])  # the keys-off drain waited already
     rows = rows_for(keys.db_path, keys.scope + run_id, keys.forwarded, prefix=tagged)
     print(
-        f"  keys on: {on['rps']:8.0f} req/s  p50 {on['p50_ms']:.3f} ms  p99 {on['p99_ms']:.3f} ms"
+        f"  {what} on: {on['rps']:8.0f} req/s  p50 {on['p50_ms']:.3f} ms  p99 {on['p99_ms']:.3f} ms"
         f"  (non-2xx {on['non2xx']}, socket errors {on['socket_errors']})"
-        f"  {keys.cpu / max(keys.forwarded, 1) * 1000:.3f} CPU-s per 1,000 (an app key's bearer)"
+        f"  {keys.cpu / max(keys.forwarded, 1) * 1000:.3f} CPU-s per 1,000"
+        + (" (an app key's bearer)" if what == "keys" else " (live OTLP export)")
     )
     diff50, diff99 = on["p50_ms"] - off["p50_ms"], on["p99_ms"] - off["p99_ms"]
-    ok = abs(diff50) <= GOALS["keys_p50_ms"]
+    ok = abs(diff50) <= GOALS[f"{what}_p50_ms"]
     print(
-        f"  keys on - keys off: p50 {diff50:+.3f} ms (goal within {GOALS['keys_p50_ms']}), p99 {diff99:+.3f}"
-        f" ms; added over direct: p50 {on['p50_ms'] - d['p50_ms']:.3f} ms (keys off"
-        f" {off['p50_ms'] - d['p50_ms']:.3f}), p99 {on['p99_ms'] - d['p99_ms']:.3f} ms (keys off"
+        f"  {what} on - {what} off: p50 {diff50:+.3f} ms (goal within {GOALS[f'{what}_p50_ms']}),"
+        f" p99 {diff99:+.3f} ms; added over direct: p50 {on['p50_ms'] - d['p50_ms']:.3f} ms ({what} off"
+        f" {off['p50_ms'] - d['p50_ms']:.3f}), p99 {on['p99_ms'] - d['p99_ms']:.3f} ms ({what} off"
         f" {off['p99_ms'] - d['p99_ms']:.3f})  {'OK' if ok else 'MISSED'}"
     )
     if not ok:
-        failures.append(name + " keys p50")
+        failures.append(f"{name} {what} p50")
     same = rows == keys.forwarded and on["non2xx"] == 0
     rewarded = f"rewards posted {sum(codes.values())}: {codes}; " if tagged else ""
     print(
-        f"  keys on: {rewarded}rows stored {rows} == requests forwarded {keys.forwarded}"
+        f"  {what} on: {rewarded}rows stored {rows} == requests forwarded {keys.forwarded}"
         f" (wrk completed {on['requests']}): {'OK' if same else 'MISMATCH'}"
     )
     if not same:
-        failures.append(name + " keys rows")
+        failures.append(f"{name} {what} rows")
     if tagged and (codes.get(200, 0) != sum(codes.values()) or not codes):
-        failures.append(name + " keys rewards")
+        failures.append(f"{name} {what} rewards")
+    if keys.sink is not None:  # what the export did so far (the last batch may still be queued)
+        metrics = httpx.get(f"{keys.proxy.url}/metrics").text
+        counts = re.findall(r"^rlproxy_otlp_spans_(\w+)_total (\S+)$", metrics, re.M)
+        print(
+            f"  otlp on: spans {', '.join(f'{k} {float(v):.0f}' for k, v in counts)}; the sink got"
+            f" {keys.sink.requests} export requests, {keys.sink.bytes} bytes"
+        )
     return failures
 
 
@@ -846,12 +904,20 @@ def main() -> int:
         help="also run the tagged c=1 case through a second proxy whose store holds an app key, with"
         " that key's bearer (keys on), in the same rounds as the proxy without keys (keys off)",
     )
+    ap.add_argument(
+        "--otlp",
+        action="store_true",
+        help="also run the tagged c=1 case through a second proxy that exports every call live as an"
+        " OTLP span to a local sink (otlp on), in the same rounds as the proxy without (otlp off)",
+    )
     ap.add_argument("--poller", metavar="DB", help=argparse.SUPPRESS)  # the trainer-poll subprocess
     ap.add_argument("--delay-ms", type=float, default=0.0, help="--compare: the stub's delay per answer, ms")
     ap.add_argument(
         "--rounds", type=int, default=None, help="--compare: alternating rounds (1 quick, 2 full)"
     )
     args = ap.parse_args()
+    if args.keys and args.otlp:
+        ap.error("--keys and --otlp each run a second proxy: one at a time")
     if args.poller:
         return poll_store(args.poller, args.poll_interval)
     secs = args.seconds or (3.0 if args.quick else 10.0)
@@ -887,6 +953,7 @@ GOALS = {
     "cpu_k": 0.35,
     "stream_x": 1.5,
     "keys_p50_ms": 0.05,  # --keys: |p50 keys on - p50 keys off| at c=1
+    "otlp_p50_ms": 0.05,  # --otlp: |p50 export on - p50 export off| at c=1
 }
 
 
@@ -910,8 +977,11 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
         proxy = Proxy(stub_url, db_path)
         floor = Floor(stub_url)
         rewarder = Rewarder(proxy.url, db_path, args.reward_share, args.turns)
-        if args.keys and any(c[0] in KEYED for c in cases):
-            keys = KeysOn(stub_url, tmp / "keys.db", args.reward_share, args.turns)
+        if (args.keys or args.otlp) and any(c[0] in KEYED for c in cases):
+            sink = Sink() if args.otlp else None
+            keys = KeysOn(
+                stub_url, tmp / f"{'otlp' if sink else 'keys'}.db", args.reward_share, args.turns, sink
+            )
         direct = f"{stub_url}/v1/chat/completions"
         via = {
             "chat": f"{proxy.url}/v1/chat/completions",
@@ -947,7 +1017,13 @@ def measure(secs: float, rounds: int, args: argparse.Namespace) -> int:
             f" poll query every {args.poll_interval:g} s; {box}; load {load[0]:.2f} {load[1]:.2f};"
             f" {layout}"
         )
-        if keys is not None:
+        if keys is not None and keys.sink is not None:
+            print(
+                f"# --otlp: otlp on = a second `rlproxy serve` on the same stub exporting every call live"
+                f" to an OTLP sink in this process ({keys.sink.url}); otlp off = the proxy above; both in"
+                f" each round, their order swapped every round"
+            )
+        elif keys is not None:
             print(
                 f"# --keys: keys on = a second `rlproxy serve` on the same stub whose store holds one app"
                 f" key ({keys.key_id}, `rlproxy keys create`, no limits), sent as its bearer; keys off ="

@@ -54,7 +54,7 @@ from rlproxy.proxy.limits import Limits
 from rlproxy.proxy.metrics import Metrics
 from rlproxy.proxy.policies import Policies, parse_model_map
 from rlproxy.proxy.rollout import RolloutService, Router
-from rlproxy.settings import JudgeSettings, LimitsSettings, Settings, parse_rollout
+from rlproxy.settings import JudgeSettings, LimitsSettings, Settings, TracesSettings, parse_rollout
 from rlproxy.storage import queries
 from rlproxy.storage.db import normalize_url
 from rlproxy.trainer import resample, scorers
@@ -248,10 +248,8 @@ class InitAdapter:
 
 
 def build_app(settings: Settings, backend: Backend | None = None) -> ErrorShapes:
-    """The ASGI app `rlproxy serve` serves: backend, trainer and proxy, wired together.
-
-    Its `.state.proxy` is the `ProxyState` every route shares (tests and tools read it there).
-    """
+    """The ASGI app `rlproxy serve` serves: backend, trainer and proxy, wired together. Its
+    `.state.proxy` is the `ProxyState` every route shares (tests and tools read it there)."""
     backend = backend if backend is not None else make_backend(settings)
     if settings.writer_idle_priority is None:  # unset: idle when the engine is a server of its own
         idle = isinstance(backend, VLLMBackend) and settings.writer_process  # (the embedded one
@@ -287,7 +285,12 @@ def build_app(settings: Settings, backend: Backend | None = None) -> ErrorShapes
         if rollout is not None and trainer.rollouts is not None:  # routed by a decision once written
             trainer.rollouts.on_decision = rollout.refresh
     siblings = sibling_service(settings, backend, policies, hosted_specs, metrics)
-    services = tuple(s for s in (rollout, init, trainer, siblings) if s is not None)  # started in order
+    spans = None  # every call as an OTLP span (traces/otlp_live.py): first in, last out, on /metrics
+    if settings.otlp_endpoint:
+        from rlproxy.traces.otlp_live import OtlpExporter  # lazy: the traces extra
+
+        spans = OtlpExporter(settings.group(TracesSettings), lambda: state.writer, metrics.registry)
+    services = tuple(s for s in (spans, rollout, init, trainer, siblings) if s is not None)  # in order
     state = ProxyState(
         settings=settings,
         backend=backend,

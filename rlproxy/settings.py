@@ -1,10 +1,11 @@
 """The one settings object. Every field reads `RLPROXY_<NAME>`; CLI options override it.
 
 The fields are written in groups, one class per concern (server, security, limits, engine, upstream,
-hosted, store, runs, policies, training, trainer, judge, rollout, siblings: `GROUPS`), and `Settings` inherits
-them all, so every name stays flat (`settings.judge_model`, `RLPROXY_JUDGE_MODEL`) while a part that
-needs one concern is handed its group: `settings.group(JudgeSettings)` for the judge,
-`settings.group(TrainerConfig)` for the trainer (what is saved with every step).
+hosted, store, runs, policies, training, trainer, judge, rollout, siblings, traces: `GROUPS`), and
+`Settings` inherits them all, so every name stays flat (`settings.judge_model`,
+`RLPROXY_JUDGE_MODEL`) while a part that needs one concern is handed its group:
+`settings.group(JudgeSettings)` for the judge, `settings.group(TrainerConfig)` for the trainer
+(what is saved with every step).
 
 This module is below everything and imports nothing of ours: the trainer's group lives here, and
 `trainer/config.py` builds its `TrainerConfig` on it (the trainer reads the settings, the settings
@@ -693,6 +694,41 @@ class SiblingSettings(BaseModel):
 
 
 # (section, group) in the docs' order; `Settings` inherits them all.
+
+
+class TracesSettings(BaseModel):
+    """Traces: every call sent live as an OpenTelemetry GenAI span to an OTLP endpoint (docs/traces.md)."""
+
+    otlp_endpoint: str = Field(
+        "",
+        description="OTLP/HTTP endpoint the calls go to as spans (protobuf), e.g. `http://localhost:6006` "
+        "(Phoenix) or `https://cloud.langfuse.com/api/public/otel`; `/v1/traces` is appended unless the "
+        "URL ends with it; empty = off",
+    )
+    otlp_headers: str = Field(
+        "",
+        description="comma list of `name=value` headers sent with each export (auth), values "
+        "percent-decoded, as `OTEL_EXPORTER_OTLP_HEADERS`",
+    )
+    otlp_capture_content: bool = Field(
+        False,
+        description="include the messages and tool definitions in the spans (`gen_ai.input.messages`, "
+        "...); off: model, usage and ids only, as the GenAI conventions ask",
+    )
+    otlp_queue_max: int = Field(
+        2048, ge=1, description="spans waiting for export past which new ones are dropped (and counted)"
+    )
+    otlp_batch_size: int = Field(512, ge=1, description="most spans in one export request")
+    otlp_interval: float = Field(
+        2.0, gt=0, description="seconds between exports (sooner when a batch is full)"
+    )
+    otlp_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="seconds one export request may take; also what shutdown waits to send the rest",
+    )
+
+
 GROUPS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("server", ServerSettings),
     ("security", SecuritySettings),
@@ -708,12 +744,14 @@ GROUPS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("judge", JudgeSettings),
     ("rollout", RolloutSettings),
     ("siblings", SiblingSettings),
+    ("traces", TracesSettings),
 )
 
 Group = TypeVar("Group", bound=BaseModel)
 
 
 class Settings(
+    TracesSettings,
     SiblingSettings,
     RolloutSettings,
     JudgeSettings,

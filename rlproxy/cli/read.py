@@ -167,8 +167,12 @@ def sql(
 @app.command(epilog=ENV_NOTE)
 def export(
     fmt: Annotated[
-        Literal["jsonl", "parquet", "hf"],
-        typer.Option("--format", help="jsonl (no extra needed), parquet, or hf (a datasets folder)"),
+        Literal["jsonl", "parquet", "hf", "otlp", "otlp-proto"],
+        typer.Option(
+            "--format",
+            help="jsonl (no extra needed), parquet, hf (a datasets folder), or OpenTelemetry GenAI spans, "
+            "a trace per run: otlp (OTLP/JSON lines) or otlp-proto (length-delimited protobuf)",
+        ),
     ],
     out: Annotated[
         Path, typer.Option("--out", metavar="PATH", help="file (jsonl, parquet) or folder (hf) to write")
@@ -181,14 +185,25 @@ def export(
     ] = None,
     db: DbOpt = None,
     force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+    content: Annotated[
+        bool, typer.Option("--content", help="otlp formats: include the messages and tool definitions")
+    ] = False,
 ) -> None:
-    """Write runs as training data: OpenAI chat messages, reward, token ids and logprobs per call."""
+    """Write runs as training data: OpenAI chat messages, reward, token ids and logprobs per call
+    (or, as otlp, a trace per run for Phoenix, Langfuse or an OTel collector)."""
     import shutil
 
+    if content and not fmt.startswith("otlp"):
+        raise typer.BadParameter("--content is for --format otlp or otlp-proto", param_hint="--content")
     if out.exists() and not force:
         raise typer.BadParameter(f"{out} exists (--force replaces it)", param_hint="--out")
     if out.exists() and out.is_dir() and fmt == "hf":
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    n = read_store(db, lambda e: exporter.write(e, fmt, out, where))
+    if fmt.startswith("otlp"):
+        from rlproxy.traces import otlp_file  # lazy: the traces extra
+
+        n = read_store(db, lambda e: otlp_file.write(e, out, where, content, binary=fmt == "otlp-proto"))
+    else:
+        n = read_store(db, lambda e: exporter.write(e, fmt, out, where))
     typer.echo(f"wrote {n} run{'' if n == 1 else 's'} to {out} ({fmt})")

@@ -47,7 +47,8 @@ BATCH = 200  # runs read per round trip
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 
-def _json(value: Any) -> Any:
+def json_value(value: Any) -> Any:
+    """A JSON column's value parsed when the driver handed back its text (else as it is)."""
     if isinstance(value, str | bytes):
         try:
             return orjson.loads(value)
@@ -86,12 +87,12 @@ def _choice0(values: Any) -> list[Any] | None:
 def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]) -> dict[str, Any]:
     """The export record of one run (module doc): `run` is its row, `messages` the view's column,
     `completions` its rows in seq order."""
-    msgs = [_message(m) for m in (_json(messages) or []) if isinstance(m, dict)]
+    msgs = [_message(m) for m in (json_value(messages) or []) if isinstance(m, dict)]
     last_reply = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
     split = last_reply if last_reply is not None and last_reply == len(msgs) - 1 else len(msgs)
     tools = None
     for c in reversed(completions):
-        request = _json(c.get("request"))
+        request = json_value(c.get("request"))
         if isinstance(request, dict) and "messages" in request:
             tools = request.get("tools") or None
             break
@@ -103,8 +104,8 @@ def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]
         "split": run.get("split"),
         "reward": run.get("reward"),
         "reward_source": run.get("reward_source"),
-        "metrics": _json(run.get("metrics")),
-        "metadata": _json(run.get("metadata")),
+        "metrics": json_value(run.get("metrics")),
+        "metadata": json_value(run.get("metadata")),
         "created_at": iso(run.get("created_at")),
         "completed_at": iso(run.get("completed_at")),
         "trained_step": run.get("trained_step"),
@@ -121,9 +122,9 @@ def record(run: dict[str, Any], messages: Any, completions: list[dict[str, Any]]
                 "finish_reason": c.get("finish_reason"),
                 "prompt_tokens": c.get("prompt_tokens"),
                 "completion_tokens": c.get("completion_tokens"),
-                "prompt_token_ids": _json(c.get("prompt_token_ids")),
-                "token_ids": _choice0(_json(c.get("token_ids"))),
-                "logprobs": _choice0(_json(c.get("logprobs"))),
+                "prompt_token_ids": json_value(c.get("prompt_token_ids")),
+                "token_ids": _choice0(json_value(c.get("token_ids"))),
+                "logprobs": _choice0(json_value(c.get("logprobs"))),
             }
             for c in completions
         ],
@@ -154,11 +155,24 @@ async def records(engine: AsyncEngine, where: str | None = None) -> AsyncIterato
 
     Raises what the database raises for a bad `where` (an SQLAlchemy error) before yielding.
     """
+    async for run, messages, completions in runs(engine, where):
+        yield record(run, messages, completions)
+
+
+async def runs(
+    engine: AsyncEngine, where: str | None = None
+) -> AsyncIterator[tuple[dict[str, Any], Any, list[dict[str, Any]]]]:
+    """The runs `where` selects, oldest first, as (its `runs` row, the trajectories view's
+    `messages`, its `completions` rows in seq order), read BATCH runs at a time: what `record`
+    takes (and the OTLP export, traces/otlp_file.py).
+
+    Raises what the database raises for a bad `where` (an SQLAlchemy error) before yielding.
+    """
     ids = await select_run_ids(engine, where)
     for start in range(0, len(ids), BATCH):
         batch = ids[start : start + BATCH]
         async with engine.connect() as conn:
-            runs = {
+            rows = {
                 r.id: dict(r._mapping) for r in (await conn.execute(select(RUNS).where(RUNS.c.id.in_(batch))))
             }
             views = dict(
@@ -176,7 +190,7 @@ async def records(engine: AsyncEngine, where: str | None = None) -> AsyncIterato
             for c in await conn.execute(q):
                 comps.setdefault(c.run_id, []).append(dict(c._mapping))
         for run_id in batch:
-            yield record(runs[run_id], views.get(run_id), comps.get(run_id, []))
+            yield rows[run_id], views.get(run_id), comps.get(run_id, [])
 
 
 async def write(engine: AsyncEngine, fmt: Format, out: Path, where: str | None = None) -> int:
@@ -187,20 +201,30 @@ async def write(engine: AsyncEngine, fmt: Format, out: Path, where: str | None =
     """
     out = Path(out)
     if fmt == "jsonl":
-        n = 0
-        tmp = out.with_name(out.name + ".part")
-        try:
-            with tmp.open("wb") as f:
-                async for rec in records(engine, where):
-                    f.write(orjson.dumps({k: v for k, v in rec.items() if v is not None}) + b"\n")
-                    n += 1
-            tmp.replace(out)  # a failed export leaves no half file under the name asked for
-        finally:
-            tmp.unlink(missing_ok=True)
-        return n
+        lines = (
+            orjson.dumps({k: v for k, v in rec.items() if v is not None}) + b"\n"
+            async for rec in records(engine, where)
+        )
+        return await write_lines(out, lines)
     rows = [rec async for rec in records(engine, where)]
     write_dataset(rows, fmt, out)
     return len(rows)
+
+
+async def write_lines(out: Path, lines: AsyncIterator[bytes]) -> int:
+    """Write `lines` (each one run's bytes) to `out`, through `out.part`: a failed export leaves no
+    half file under the name asked for. Returns how many were written."""
+    n = 0
+    tmp = out.with_name(out.name + ".part")
+    try:
+        with tmp.open("wb") as f:
+            async for line in lines:
+                f.write(line)
+                n += 1
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n
 
 
 def write_dataset(rows: list[dict[str, Any]], fmt: Format, out: Path) -> None:

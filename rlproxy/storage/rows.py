@@ -54,7 +54,7 @@ async def ensure_runs(conn: AsyncConnection, records: list[CompletionRecord]) ->
     rows = [
         {
             "id": rid,
-            "group_id": rec.group_id or rec.default_group or _default_group(rec),
+            "group_id": rec.group_id or rec.default_group or group_of(rec),
             "split": rec.split or "train",  # fixed by the run's first request (storage/validation.py)
             "policy": rec.policy,
             "status": RunStatus.open.value,
@@ -78,9 +78,10 @@ async def ensure_runs(conn: AsyncConnection, records: list[CompletionRecord]) ->
     return {rid: int(nxt) - count[rid] for rid, nxt in result.all()}
 
 
-def _default_group(rec: CompletionRecord) -> str | None:
+def group_of(rec: CompletionRecord) -> str | None:
     """The group of a run its first completion names none for (`records.default_group`); hashed
-    here, once a run per batch, rather than on every tagged request in the serving process."""
+    here, once a run per batch, rather than on every tagged request in the serving process (and by
+    the live OTLP export, off the serving path too)."""
     if not isinstance(rec.request, dict):
         return None
     group = default_group(rec.policy, rec.request)

@@ -49,6 +49,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -122,6 +123,9 @@ class Writer:
         self.replayed = 0  # journal records stored on start (committed before the crash or not)
         self.last_error: str | None = None  # of the last failed transaction, cleared by a commit
         self.dropped = 0  # records given up on (logged); 0 unless a record cannot be stored at all
+        # sees each record handed over and each new reward once committed (the live OTLP export,
+        # traces/otlp_live.py): it must return at once and never raise
+        self.tap: Callable[[CompletionRecord | Reward], None] | None = None
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -211,6 +215,8 @@ class Writer:
                 self.journal.skipped += 1
                 log.error("journal: append failed (%s); completion of run %s not journaled", exc, rec.run_id)
         self._put(Item(rec, len(payload), seg, False, payload))
+        if self.tap is not None:
+            self.tap(rec)
 
     def may_hold(self, response_id: str) -> bool:
         """Whether a record with this Responses id is queued and not yet committed (or given up on):
@@ -342,6 +348,8 @@ class Writer:
                     op.future.set_exception(outcome)
                 else:
                     op.future.set_result(bool(outcome))
+                    if outcome is True and op.reward is not None and self.tap is not None:
+                        self.tap(op)
         self._check_room()
 
     def _resolved(self, item: Item) -> None:

@@ -104,7 +104,7 @@ def test_types_and_choices_are_shown(monkeypatch):
     assert "<embedded|vllm>" in text and "<debug|info|warning|error>" in text
     assert "[0<=x<=65535]" in text  # --port is an int in range, not <str>
     assert "<open|completed|trained|skipped|failed|expired" in wide_help(("runs",), monkeypatch)
-    assert "<jsonl|parquet|hf>" in wide_help(("export",), monkeypatch)
+    assert "<jsonl|parquet|hf|otlp|otlp-proto>" in wide_help(("export",), monkeypatch)
 
 
 def test_env_var_sets_the_option(tmp_path):
