@@ -47,12 +47,12 @@ log = logging.getLogger(__name__)
 
 BATCH = 500  # calls per write transaction
 READERS: dict[str, Callable[[dict[str, Any]], Read]] = {
-    "otlp-json": read_request,
+    "otlp": read_request,
     "openai-jsonl": read_chat,
     "langfuse": read_langfuse,
     "langsmith": read_langsmith,
 }
-Format = Literal["auto", "otlp-json", "otlp-proto", "openai-jsonl", "langfuse", "langsmith"]
+Format = Literal["auto", "otlp", "otlp-proto", "openai-jsonl", "langfuse", "langsmith"]
 PROTO_SUFFIXES = {".pb", ".binpb", ".protobuf"}
 
 
@@ -76,7 +76,7 @@ class Summary:
 def detect(record: dict[str, Any]) -> str:
     """The format of one JSON record (`--format auto`), by the fields each source writes."""
     if "resourceSpans" in record:
-        return "otlp-json"
+        return "otlp"
     if "run_type" in record or "dotted_order" in record or ("key" in record and "run_id" in record):
         return "langsmith"
     if "observations" in record or isinstance(record.get("data"), list) or "traceId" in record:
