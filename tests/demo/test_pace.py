@@ -36,15 +36,20 @@ def test_the_shortfall_says_why_and_what_next():
     assert "--minutes 20" in shortfall(summary, 0.5) and "stop the other work" not in shortfall(summary, 0.5)
 
 
-def test_cpu_share_sees_a_busy_loop_beside_it():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    # another process's work, not a child of this one (CpuShare counts this process's children as the
-    # demo's): the shell starts the loop in the background and exits, so init adopts it
+def _busy_loop() -> int:
+    """The pid of a busy loop that is another process's work, not a child of this one (CpuShare counts
+    this process's children as the demo's): the shell starts it in the background and exits, so init
+    adopts it."""
     out = subprocess.run(
         ["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    busy = int(out.stdout.strip())
+    return int(out.stdout.strip())
+
+
+def test_cpu_share_sees_a_busy_loop_beside_it():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    busy = _busy_loop()
     try:
         share = CpuShare(child.pid)
         time.sleep(1.5)
@@ -60,11 +65,7 @@ def test_the_server_is_counted_once():
     # `serve` is both the demo's child and the `pid` CpuShare is given: counted twice, a busy server
     # beside a busy loop read as the whole machine (share 1.0, others 0: a busy box never extended)
     server = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    out = subprocess.run(
-        ["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    busy = int(out.stdout.strip())
+    busy = _busy_loop()
     try:
         cpu = psutil.Process(server.pid).cpu_times
         before, machine0 = sum(cpu()[:2]), CpuShare._machine()
