@@ -89,6 +89,14 @@ def demo(
             min=0.01, help="minutes between rungs with --signal/--siblings/--shadow (default 2; directory 4)"
         ),
     ] = None,
+    max_steps: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="with --signal/--siblings/--shadow: stop once the policy serves this trainer step (sibling "
+            "groups count too); the last rung is measured at it",
+        ),
+    ] = None,
 ) -> None:
     """The full loop on the embedded defaults: serve + trainer + an agent that learns a task."""
     import signal as signals  # `signal` is the --signal option here
@@ -99,10 +107,10 @@ def demo(
     signals.signal(signals.SIGTERM, signals.default_int_handler)  # stopped as by Ctrl-C: serve stopped too
     if teacher_episodes is not None and not teacher:
         raise typer.BadParameter("--teacher-episodes is the distill demo's: add --teacher")
-    signal_options = (signal, siblings, scorer, shadow, rung_minutes)
+    signal_options = (signal, siblings, scorer, shadow, rung_minutes, max_steps)
     if teacher and any(v is not None for v in signal_options):
         raise typer.BadParameter(
-            "--signal, --siblings, --scorer, --shadow, --rung-minutes: not with --teacher"
+            "--signal, --siblings, --scorer, --shadow, --rung-minutes, --max-steps: not with --teacher"
         )
     if teacher:
         if task != "directory":
@@ -134,6 +142,7 @@ def demo(
         scorer=scorer,
         shadow=shadow,
         rung_minutes=rung_minutes,
+        max_steps=max_steps,
     )
     if "signal" in summary:  # the rungs are the measure
         goal, gain = summary["signal"]["rung_goal"], summary.get("rung_gain")

@@ -71,6 +71,7 @@ def run_demo(
     max_tokens: int | None = None, echo: Callable[[str], None] | None = None, rollout: str = "immediate",
     eval_episodes: int | None = None, signal_mode: str | None = None, siblings: str | None = None,
     scorer: str | None = None, shadow: int | None = None, rung_minutes: float | None = None,
+    max_steps: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the demo and return the summary (also written to `out_dir/summary.json`).
 
@@ -83,14 +84,15 @@ def run_demo(
     given. `learning_rate` None keeps serve's default (chosen by model size). fast=True is the CI
     variant: the tiny random model, groups of 4, 3 groups.
 
-    `signal_mode`, `siblings`, `scorer`, `shadow`, `rung_minutes`: where the learning signal comes from
-    and the rung curve that measures it (demo/signals.py); all None is today's demo.
+    `signal_mode`, `siblings`, `scorer`, `shadow`, `rung_minutes`, `max_steps`: where the learning signal
+    comes from, the rung curve that measures it and its step budget (demo/signals.py); all None is
+    today's demo.
     """
     echo = echo or print_line
     if task not in TASKS:
         raise ValueError(f"unknown demo task {task!r}: choose one of {', '.join(TASKS)}")
     agent = TASKS[task]
-    sig = signals.resolve(task, signal_mode, siblings, scorer, shadow, rung_minutes)
+    sig = signals.resolve(task, signal_mode, siblings, scorer, shadow, rung_minutes, max_steps)
     if not sig.legacy and rollout == "canary":
         raise ValueError("--rollout canary runs today's groups: leave out --signal, --siblings and --shadow")
     started = time.monotonic()

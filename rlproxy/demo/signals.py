@@ -59,6 +59,7 @@ class SignalPlan:
     shadow: int  # serve's `shadow_prompts`
     rung_minutes: float | None  # minutes between rungs (None: today's rungs only)
     rung_goal: float
+    max_steps: int | None = None  # stop once the policy serves this trainer step (a step budget)
 
     @property
     def legacy(self) -> bool:
@@ -93,6 +94,7 @@ def resolve(
     scorer: str | None = None,
     shadow: int | None = None,
     rung_minutes: float | None = None,
+    max_steps: int | None = None,
 ) -> SignalPlan:
     """Check the options together and fill in their defaults; ValueError says what does not fit."""
     if signal is not None and signal not in SIGNALS:
@@ -113,7 +115,11 @@ def resolve(
         scorer = "url"  # the task's own checker, served by the demo
     if rung_minutes is not None and rung_minutes <= 0:
         raise ValueError("--rung-minutes: a positive number of minutes")
-    plan = SignalPlan(signal, chosen, scorer, shadow or 0, None, RUNG_GOAL[task])
+    if max_steps is not None and max_steps < 1:
+        raise ValueError("--max-steps: a number of trainer steps >= 1")
+    plan = SignalPlan(signal, chosen, scorer, shadow or 0, None, RUNG_GOAL[task], max_steps)
+    if max_steps is not None and plan.legacy:
+        raise ValueError("--max-steps counts the steps of --signal, --siblings or --shadow: use --max-groups")
     if not plan.legacy:
         plan.rung_minutes = rung_minutes or RUNG_MINUTES[task]
     return plan
@@ -225,7 +231,7 @@ def _wait_siblings(db: Path, run_ids: list[str], expect: bool, timeout: float) -
 
 
 def signal_loop(loop: Loop, sig: SignalPlan, curve: Curve) -> str:
-    """One batch per row until time, max_groups or the rung goal; returns why it stopped."""
+    """One batch per row until time, max_groups, max_steps or the rung goal; returns why it stopped."""
     plan, rows, base, client, policy, db = loop.plan, loop.rows, loop.base, loop.client, loop.policy, loop.db
     tasks = UniqueTasks(plan.task, plan.seed, curve.tasks)
     deadline = loop.started + plan.minutes * 60
@@ -299,6 +305,8 @@ def signal_loop(loop: Loop, sig: SignalPlan, curve: Curve) -> str:
                 curve.measure(f"g{row['group']}")
                 if curve.goal_held(sig.rung_goal):
                     return "goal"
+            if sig.max_steps is not None and (row["step"] or 0) >= sig.max_steps:
+                return "max_steps"  # the final rung is measured at this step
 
 
 def report(

@@ -247,7 +247,9 @@ def test_resolve_fills_in_the_signal_settings() -> None:
         signals.resolve("directory", siblings="plateau", scorer="checks").serve_settings("u", 8)["scorer"]
         == "checks"
     )
-    for bad in ({"signal": "scorer", "siblings": "off"}, {"scorer": "checks"}, {"signal": "judge"}):
+    assert signals.resolve("directory", siblings="plateau", max_steps=20).max_steps == 20
+    for bad in ({"signal": "scorer", "siblings": "off"}, {"scorer": "checks"}, {"signal": "judge"},
+                {"max_steps": 20}, {"siblings": "plateau", "max_steps": 0}):  # fmt: skip
         with pytest.raises(ValueError):
             signals.resolve("number", **bad)  # type: ignore[arg-type]
 
@@ -271,6 +273,9 @@ def test_demo_options_reach_run_demo(monkeypatch: pytest.MonkeyPatch) -> None:
         == 0
     )
     assert (got["siblings"], got["seed"], got["signal_mode"]) == ("plateau", 4, None)
+    assert got["max_steps"] is None
+    assert runner.invoke(app, ["demo", "--siblings", "plateau", "--max-steps", "20"]).exit_code == 0
+    assert got["max_steps"] == 20
     assert runner.invoke(app, ["demo", "--signal", "nope"]).exit_code == 2
     refused = runner.invoke(app, ["demo", "--task", "directory", "--teacher", "--signal", "scorer"])
     assert refused.exit_code != 0 and "--teacher" in refused.output
