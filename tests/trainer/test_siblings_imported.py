@@ -15,6 +15,7 @@ restart included) is tested on the store alone.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,13 @@ async def test_imported_offers_each_imported_call_of_its_policy_once(stub: Any, 
             f"SELECT DISTINCT source FROM completions WHERE id IN {tuple(c.completion_id for c in offered)}",
         )
         assert sources == [("import",)]
+        # --policy names the policy; the model stays the call's adapter
+        got = rows(db, "SELECT DISTINCT policy, adapter FROM completions WHERE source = 'import' ORDER BY 1")
+        assert got == [("gpt-4o-mini", "gpt-4o-mini"), ("hp", "gpt-4o-mini"), ("p", "gpt-4o-mini")]
+        # no limit in its request: DEFAULT_MAX_TOKENS, though the stub cut its answer (no sampled ids)
+        no_limit = dataclasses.replace(offered[0], request={"messages": COLOR})
+        assert offered[0].finish_reason == "length"
+        assert sib.sampling_params(no_limit, None)["max_tokens"] == sib.DEFAULT_MAX_TOKENS
         assert await svc.poll_once() == 0  # read once: the cursor is past them
         for c in offered[:4]:  # branched (a failed group counts: never tried again)
             await store.fail_sampling(svc._engine, group_id=f"sib-{c.completion_id}", call=c, k=2, error="x")
