@@ -636,7 +636,8 @@ class SiblingSettings(BaseModel):
         "off",
         description="which calls get siblings: off, or a comma list of new (a share of new calls, right "
         "after the app has its answer), alone (the calls of a rewarded run left alone in its group), "
-        "plateau (the calls of a group skipped for equal rewards); per policy: agent=new,*=off",
+        "plateau (the calls of a group skipped for equal rewards), imported (the prompts rlproxy import "
+        "stored, answered by the serving adapter); per policy: agent=new,*=off",
     )
     siblings_k: int = Field(4, ge=2, le=16, description="answers in a sibling group, the app's own included")
     siblings_share: float = Field(

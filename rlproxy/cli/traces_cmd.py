@@ -31,6 +31,10 @@ def import_(
         ),
     ] = "auto",
     score: Annotated[str | None, typer.Option(metavar="NAME", help="the score that is the reward")] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="store the calls under this policy (else their model's name)"),
+    ] = None,
     db: DbOpt = None,
 ) -> None:
     """Import traces (OTLP GenAI spans, Langfuse, LangSmith, OpenAI chat JSONL) as text-only runs."""
@@ -54,7 +58,9 @@ def import_(
         engine = create_engine(settings.db_url)
         try:
             if not sys.stderr.isatty():
-                return await import_files(engine, files, fmt, score=score, on_malformed=malformed)
+                return await import_files(
+                    engine, files, fmt, score=score, policy=policy, on_malformed=malformed
+                )
             from rich.progress import Progress
 
             with Progress(transient=True) as bar:
@@ -64,6 +70,7 @@ def import_(
                     files,
                     fmt,
                     score=score,
+                    policy=policy,
                     on_malformed=malformed,
                     on_progress=lambda n: bar.advance(task, n),
                 )

@@ -19,6 +19,8 @@ and calls already branched, and needs stored prompt and sampled ids of one choic
               for `zero_variance`: its runs started from the same prompt, so branching each run's
               first call would sample the same prompt again and again; one run's calls are where
               the group's answers first could differ
+    imported  calls `rlproxy import` stored (`source` 'import': text only, so these alone are read
+              WITHOUT ids; the service renders their prompt ids), after a cursor, in id order
     (alone and plateau read runs rewarded since `since`: a window, so the reads stay bounded)
 
 Life of a group: `create_group` writes the row (status `scoring`: every member is stored at once)
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 
 REWARD_SOURCE = "sibling"  # runs.reward_source of a scored member
 SAMPLED_ENDPOINT = "completions"  # a sampled member's completion: the /v1/completions call that made it
+IMPORTED = "import"  # completions.source of a call `rlproxy import` stored (traces/readers)
 
 
 @dataclass
@@ -68,7 +71,7 @@ class BranchCall:
     token_ids: list[int]  # the app's sampled ids (choice 0)
     logprobs: list[float] | None
     finish_reason: str | None
-    reason: str = "new"  # new, alone or plateau
+    reason: str = "new"  # new, alone, plateau or imported (text only: prompt_ids filled in when sampled)
     key_id: str | None = None  # the app key that made the call: its siblings are that key's too
 
 
@@ -118,8 +121,8 @@ def _call(row: Any, reason: str) -> BranchCall:
     return BranchCall(
         completion_id=row.id,
         request=row.request or {},
-        prompt_ids=list(row.prompt_token_ids),
-        token_ids=list(row.token_ids[0]),
+        prompt_ids=list(row.prompt_token_ids or []),
+        token_ids=list(row.token_ids[0]) if row.token_ids else [],
         logprobs=list(lps) if isinstance(lps, list) else None,
         reason=reason,
         **{name: getattr(row, name) for name in same},
@@ -173,6 +176,30 @@ async def new_calls(engine: AsyncEngine, *, after: int, limit: int = 200) -> tup
             return [], after
         rows = (await conn.execute(q.where(Completion.id <= ids[-1], *_branchable()))).all()
     return [_call(r, "new") for r in rows if _one_choice(r)], int(ids[-1])
+
+
+async def imported_calls(
+    engine: AsyncEngine, *, after: int, limit: int = 200
+) -> tuple[list[BranchCall], int]:
+    """Imported chat calls (`source` 'import', train runs, not branched) after completion id `after`,
+    at most `limit`, and the cursor to read on from: the last one read, or, once none is left, the
+    newest stored id (a later import's calls come after it)."""
+    q = (
+        select(*_COLUMNS)
+        .join(Run, Run.id == Completion.run_id)
+        .where(Completion.id > after, Completion.source == IMPORTED, Completion.status == "ok")
+        .where(Completion.policy.is_not(None), Completion.request.is_not(None))
+        .where(Run.branch_of.is_(None), Run.split == "train")
+        .where(~exists().where(SiblingGroup.completion_id == Completion.id))
+        .order_by(Completion.id)
+        .limit(limit)
+    )
+    async with engine.connect() as conn:
+        newest = int(await conn.scalar(select(func.max(Completion.id))) or 0)
+        rows = (await conn.execute(q.where(Completion.id <= newest))).all()
+    cursor = rows[-1].id if len(rows) == limit else max(after, newest)
+    chats = [r for r in rows if isinstance((r.request or {}).get("messages"), list)]
+    return [_call(r, "imported") for r in chats], int(cursor)
 
 
 async def last_completion_id(engine: AsyncEngine) -> int:

@@ -11,6 +11,9 @@ Imported calls are stored as a hosted provider's are (token ids NULL, `completio
 trainer never selects them), always SFT and distillation data (`rlproxy sft --from-source import`).
 A trace is a run (`import:<trace id>`); its calls get `seq` in the order they are read (time order
 within one OTLP request); spans of one trace spread over several requests or files join the same run.
+A call's policy is its model's name, or the `policy` the import names (`rlproxy import --policy
+agent`): the policy whose siblings' `imported` mode samples its prompts (trainer/siblings.py); the
+model stays in `completions.adapter` and the request.
 
 Memory: one record and one batch at a time, whatever the file's size (JSONL and OTLP/JSON line by
 line; OTLP protobuf one `ResourceSpans` or one length-delimited request at a time), plus one small
@@ -173,11 +176,13 @@ async def import_files(
     fmt: Format = "auto",
     *,
     score: str | None = None,
+    policy: str | None = None,
     on_malformed: Callable[[str], None] = log.warning,
     on_progress: Callable[[int], None] | None = None,
 ) -> Summary:
     """Import `paths` into the store of `engine` (migrated); `score` names the score that becomes a
-    run's reward when a trace has several (else its first). Returns what was done."""
+    run's reward when a trace has several (else its first); `policy` the policy every call is stored
+    under (else its model's name). Returns what was done."""
     summary = Summary()
     pending: dict[str, RunNote] = {}  # notes of runs not stored yet
     calls: list[CompletionRecord] = []
@@ -191,6 +196,9 @@ async def import_files(
                 summary.malformed += 1
                 on_malformed(f"{path}:{n}: {read}")
                 continue
+            if policy is not None:
+                for c in read.calls:
+                    c.policy = policy
             calls += read.calls
             for note in read.notes:
                 _merge(pending, note, score)

@@ -11,6 +11,13 @@ priority`, so it is sent there only when asked).
     sample(client, url, model="policy@3", prompt_ids=[...], n=3, temperature=1.0, ...) -> [Sampled]
 
 Each answer's logprobs are those of the temperature it was sampled at, as the trainer's ratios need.
+
+A text-only call (an imported trace's: no prompt ids stored) gets its prompt ids from the engine
+itself, `POST /tokenize` with its messages and tools (vLLM's route, and the embedded engine's with
+the same body and answer): the serving model's chat template renders them exactly as it renders a
+chat call's, and the proxy stays torch-free.
+
+    chat_prompt_ids(client, url, model="policy@3", request={"messages": [...], "tools": [...]}) -> [ids]
 """
 
 from __future__ import annotations
@@ -98,6 +105,37 @@ async def sample(
     if len(out) != n or any(len(s.token_ids) != len(s.logprobs) for s in out):
         raise ResampleError(f"the engine answered {len(out)} choices for n={n}, or ids and logprobs differ")
     return out
+
+
+async def chat_prompt_ids(
+    client: httpx.AsyncClient,
+    base_url: str,
+    *,
+    model: str,
+    request: dict[str, Any],
+    api_key: str | None = None,
+    timeout: float = 60.0,
+) -> list[int]:
+    """The prompt ids `model` would be given for a chat `request` (its messages and tools, the
+    generation prompt added), as the engine's `/tokenize` renders them."""
+    body: dict[str, Any] = {"model": model, "messages": request.get("messages")}
+    body["add_generation_prompt"] = True
+    if request.get("tools"):
+        body["tools"] = request["tools"]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = await client.post(f"{base_url.rstrip('/')}/tokenize", json=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ResampleError(f"the engine did not answer /tokenize: {type(exc).__name__}: {exc}") from exc
+    if r.status_code != 200:
+        raise ResampleError(f"the engine's /tokenize answered {r.status_code}: {r.text[:300]}")
+    try:
+        ids = [int(t) for t in r.json()["tokens"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ResampleError(f"the engine's /tokenize answer has no tokens: {exc!r}") from exc
+    if not ids:
+        raise ResampleError("the engine's /tokenize rendered an empty prompt")
+    return ids
 
 
 def as_message(text: str, finish_reason: str | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Siblings: the proxy samples more answers to stored prompts, scores them, and stores them as groups.
 
-    poll ──> calls to branch (storage/siblings.py: new since a cursor, alone, plateau), by policy mode,
+    poll ──> calls to branch (storage/siblings.py: new since a cursor, alone, plateau, imported), by mode,
              share (a hash of the completion id) and never a hosted policy ──> bounded queue (drops counted)
     sampler (Budget: slots, pacing, app first) ──> resample.sample: n answers, one prefill, priority 10
              ──> create_group: K members, one transaction, status scoring
@@ -13,11 +13,20 @@ are sampled (`with_original`). When that step is gone (pruned, or replaced since
 serving adapter answers K fresh times and the app's answer is left out: an answer of another step
 would share no baseline with them. `policy_step` of the group says which step sampled.
 
+Imported calls (mode `imported`: `rlproxy import --policy NAME`'s text-only calls, traces/imports.py)
+are prompts without ids and without an answer of this engine: the policy's serving adapter answers
+K fresh times, on the prompt ids the engine's `/tokenize` renders from the stored messages and tools
+with its chat template (resample.chat_prompt_ids), exactly as it renders a chat call. They are read
+from the oldest on (history is the point) with a cursor of their own, a page no larger than the
+queue's free room: a backlog waits in the store, never dropped; each is branched once (the group's
+unique completion id, so a restart, which reads from the start again, finds them branched).
+
 Sampling parameters are the call's own (its stored request's temperature, top_p, stop and
 max_tokens / max_completion_tokens; without a limit: its own length when it was cut there, else
-`DEFAULT_MAX_TOKENS` at least twice its length), or `siblings_temperature` when set. Each answer's
-request is stored with it, so the trainer reads its temperature like any call's. The seed is a hash
-of the completion id: reproducible, and never the app's own.
+`DEFAULT_MAX_TOKENS` at least twice its length; an imported call's: `DEFAULT_MAX_TOKENS`), or
+`siblings_temperature` when set. Each answer's request is stored with it, so the trainer reads its
+temperature like any call's. The seed is a hash of the completion id: reproducible, and never the
+app's own.
 
 Only asyncio and httpx: the service waits on the store, the engine and the scorer, never on torch.
 
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -49,12 +59,12 @@ from rlproxy.trainer.sibling_budget import Budget
 
 log = logging.getLogger(__name__)
 
-MODES = ("new", "alone", "plateau")
+MODES = ("new", "alone", "plateau", "imported")
 LOOKBACK = timedelta(hours=1)  # alone/plateau read runs rewarded at most this long before the start
 DEFAULT_MAX_TOKENS = 256  # a call whose request named no limit (module doc)
 MAX_BACKOFF = 60.0  # seconds between two scorer attempts of a group, at most
 MODELS_TTL = 5.0  # seconds a read of the engine's /v1/models is trusted
-NEW_PAGES = 10  # pages of new calls read in one poll, at most
+NEW_PAGES = 10  # pages of new (or imported) calls read in one poll, at most
 SEEN_MAX = 100_000  # alone/plateau calls remembered as already offered
 
 
@@ -70,7 +80,9 @@ def parse_modes(spec: str) -> dict[str, frozenset[str]]:
         name = name.strip()
         wanted = {m.strip() for m in modes.split("+") if m.strip()}
         if not name or not wanted or not wanted <= {*MODES, "off"} or ("off" in wanted and len(wanted) > 1):
-            raise ValueError(f"siblings entry {item!r}: want off, new, alone, plateau or policy=new+alone")
+            raise ValueError(
+                f"siblings entry {item!r}: want off, new, alone, plateau, imported or policy=new+alone"
+            )
         out.setdefault(name, set()).update(wanted - {"off"})
     return {k: frozenset(v) for k, v in out.items()}
 
@@ -99,7 +111,7 @@ def sampling_params(call: store.BranchCall, temperature: float | None) -> dict[s
     limit = req.get("max_completion_tokens") or req.get("max_tokens") or req.get("max_output_tokens")
     if not isinstance(limit, int) or limit < 1:
         n = len(call.token_ids)
-        limit = n if call.finish_reason == "length" else max(DEFAULT_MAX_TOKENS, 2 * n)
+        limit = n if n and call.finish_reason == "length" else max(DEFAULT_MAX_TOKENS, 2 * n)
     stop = req.get("stop")
     stop = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
     t = temperature if temperature is not None else req.get("temperature")
@@ -167,6 +179,7 @@ class SiblingService:
         self._engine: Any = None
         self._client: httpx.AsyncClient | None = None
         self.cursor = 0
+        self.imported_cursor = 0  # imported calls are read from the oldest (module doc)
         if metrics is not None:
             metrics.attach_siblings(self)
 
@@ -254,8 +267,30 @@ class SiblingService:
                 continue
             self.queue.append(c)
             queued += 1
+        if "imported" in wanted:
+            queued += await self._poll_imported()
         if queued:
             self._wake.set()
+        return queued
+
+    async def _poll_imported(self) -> int:
+        """Queue imported calls, a page no larger than the queue's free room (never dropped: the
+        cursor stays at the last call read, and the rest wait in the store)."""
+        queued = 0
+        for _ in range(NEW_PAGES):
+            room = self.settings.siblings_queue - len(self.queue)
+            before = self.imported_cursor
+            if room <= 0:
+                break
+            got, self.imported_cursor = await store.imported_calls(
+                self._engine, after=before, limit=min(room, 200)
+            )
+            for c in got:
+                if self.eligible(c):
+                    self.queue.append(c)
+                    queued += 1
+            if self.imported_cursor == before:
+                break
         return queued
 
     def eligible(self, c: store.BranchCall) -> bool:
@@ -309,15 +344,25 @@ class SiblingService:
         started = time.perf_counter()
         elapsed = 0.0
         gid = f"sib-{call.completion_id}"
+        assert self._client is not None
         try:
-            if call.adapter and call.adapter in await self._served():
+            if call.reason == "imported":  # text only: K fresh answers to its rendered prompt (module doc)
+                (model, step), with_original = self.serving(call.policy), False
+                ids = await resample.chat_prompt_ids(
+                    self._client,
+                    self.backend.base_url,
+                    model=model,
+                    request=call.request,
+                    api_key=self.backend.api_key,
+                )
+                call = dataclasses.replace(call, prompt_ids=ids)
+            elif call.adapter and call.adapter in await self._served():
                 model, step, with_original = call.adapter, call.policy_step, True
             else:
                 (model, step), with_original = self.serving(call.policy), False
             n = k - 1 if with_original else k
             params = sampling_params(call, self.settings.siblings_temperature)
             seed = seed_of(call.completion_id)
-            assert self._client is not None
             sampled = await resample.sample(
                 self._client,
                 self.backend.base_url,
