@@ -37,11 +37,12 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+from openai import OpenAI
 from openinference.instrumentation.openai import OpenAIInstrumentor
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -94,8 +95,6 @@ def trace_episodes(
     """The team's agent: one directory episode per pair with a real `openai` client against the
     stand-in hosted model, written to `path` in `fmt` by what a team runs. (episodes, requests the
     provider answered)."""
-    from openai import OpenAI
-
     conversations: list[dict[str, Any]] = []
 
     def answer(body: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +152,7 @@ def run(
     threads: int | None = None,
     epochs: int = SFT_EPOCHS,
     lr: float = SFT_LR,
-    echo: Any = harness.print_line,
+    echo: Callable[[str], None] = harness.print_line,
 ) -> dict[str, Any]:
     """Trace, import, rung base, SFT from the import, rung after: the summary (also in
     out_dir/summary.json)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from rlproxy.demo.directory import TOOLS
 from rlproxy.demo.rungs import COMPONENTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,8 +63,35 @@ def test_fast_sft_from_traces(tmp_path: Path, cache_dir: Path) -> None:
     assert [r["rung"] for r in summary["rungs"]] == ["base", "after"]
     for r in summary["rungs"]:
         assert r["episodes"] == 4 and all(0.0 <= r[c] <= 1.0 for c in (*COMPONENTS, "mean_reward"))
-    val = (
-        "SELECT policy, count(*) FROM runs WHERE split = 'val' AND status = 'validated' GROUP BY 1 ORDER BY 1"
+    val = "SELECT policy, count(*) FROM runs WHERE split = 'val' AND status = 'validated' GROUP BY 1"
+    rungs = dict(con.execute(val).fetchall())  # the base model's name, and the student
+    assert len(rungs) == 2 and rungs["student"] == 4 and sum(rungs.values()) == 8
+
+
+@pytest.mark.parametrize(("fmt", "calls"), [("otlp-proto", 9), ("openai-jsonl", 3)])
+def test_the_other_formats_import_whole_conversations(fmt: str, calls: int, tmp_path: Path) -> None:
+    """`--format otlp-proto` (the same spans, length-delimited protobuf) and `openai-jsonl` (a line
+    per episode): a run per episode, each one conversation with the tool calls, results and tools."""
+    sys.path.insert(0, str(ROOT))  # bench/ is not a package of ours: import it from the checkout
+    from bench.sft_from_traces import import_traces, trace_episodes
+
+    pairs = [("Alice", "Bob"), ("Carol", "Jack"), ("Emma", "Frank")]
+    episodes, requests = trace_episodes(pairs, tmp_path / "traces", fmt, seed=0)
+    assert [e.reward for e in episodes] == [1.0] * 3 and requests == 9
+    imported = import_traces(tmp_path / "traces", tmp_path / "s.db", fmt)
+    assert (imported["calls"], imported["runs"]) == (
+        calls,
+        3,
+    )  # OTLP: a span per call; JSONL: a line per episode
+    con = sqlite3.connect(tmp_path / "s.db")
+    last = (  # each run's last call: its whole conversation
+        "SELECT request, response FROM completions c WHERE source = 'import' "
+        "AND seq = (SELECT max(seq) FROM completions WHERE run_id = c.run_id)"
     )
-    assert [n for policy, n in con.execute(val).fetchall() if policy == "student"] == [4]
-    assert sum(n for _, n in con.execute(val).fetchall()) == 8
+    finals = [(json.loads(q), json.loads(a)) for q, a in con.execute(last)]
+    assert len(finals) == 3
+    for request, response in finals:
+        roles = [m["role"] for m in request["messages"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant", "tool"]
+        assert request["tools"] == TOOLS
+        assert response["choices"][0]["message"]["content"].count(":") == 2  # the answer: two extensions
