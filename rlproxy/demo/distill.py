@@ -43,7 +43,7 @@ from openai import OpenAI
 from rlproxy.demo import directory, harness
 from rlproxy.demo.episodes import default_model
 from rlproxy.demo.provider import Provider, ProviderServer
-from rlproxy.demo.rungs import COMPONENTS, components, evaluate, line, play, prompt_split, rung
+from rlproxy.demo.rungs import COMPONENTS, components, evaluate, line, play, prompt_split, rung, table
 
 TEACHER = "teacher"
 STUDENT = "student"
@@ -128,7 +128,8 @@ def run_distill_demo(
 
             # 3. distill, as a user would: `rlproxy sft --from-policy teacher --into student`
             t0 = time.monotonic()
-            _distill(out, model, base_policy, sft_epochs, sft_lr, env, echo)
+            teacher_rows = ["--from-policy", TEACHER, "--min-reward", "0.9"]
+            distill(out, model, base_policy, teacher_rows, sft_epochs, sft_lr, env, echo)
             harness.wait_policy_step(http, STUDENT, 1, timeout=120)
             timings["sft"] = round(time.monotonic() - t0, 1)
             rungs.append(evaluate(client, base, STUDENT, "sft", eval_pairs, seed, echo))
@@ -180,9 +181,8 @@ def run_distill_demo(
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     echo("")
-    echo(f"{'rung':>6}  {'reward':>6}  " + "  ".join(f"{c:>16}" for c in COMPONENTS))
-    for r in rungs:
-        echo(f"{r['rung']:>6}  {r['mean_reward']:>6.3f}  " + "  ".join(f"{r[c]:>16.3f}" for c in COMPONENTS))
+    for row in table(rungs):
+        echo(row)
     echo(
         f"\n{summary['rl_steps']} RL steps after the SFT step; {summary['minutes']:.1f} min; "
         f"summary: {out / 'summary.json'}"
@@ -199,28 +199,36 @@ def at_ceiling(rows: list[dict[str, Any]], n: int = CEILING_GROUPS) -> bool:
     )
 
 
-def _distill(
+def distill(
     out: Path,
     model: str,
     policy: str,
+    select: list[str],
     epochs: int,
     lr: float,
     env: dict[str, str],
     echo: Callable[[str], None],
-) -> None:
-    args = ["sft", "--policy", policy, "--from-policy", TEACHER, "--into", STUDENT, "--min-reward", "0.9",
-            "--epochs", str(epochs), "--batch-size", str(SFT_BATCH), "--learning-rate", str(lr), "--model",
-            model, "--db", str(out / "rlproxy.db"), "--checkpoint-dir", str(out / "checkpoints")]  # fmt: skip
+) -> list[str]:
+    """`rlproxy sft --policy POLICY SELECT... --into student` in a process of its own, as a user runs
+    it, on `out`'s store; its lines are echoed and returned. `select` picks the conversations:
+    `--from-policy teacher --min-reward 0.9` here, `--from-source import` for imported traces
+    (bench/sft_from_traces.py)."""
+    args = ["sft", "--policy", policy, *select, "--into", STUDENT, "--epochs", str(epochs),
+            "--batch-size", str(SFT_BATCH), "--learning-rate", str(lr), "--model", model,
+            "--db", str(out / "rlproxy.db"), "--checkpoint-dir", str(out / "checkpoints")]  # fmt: skip
     echo("distilling: " + " ".join(args))
     child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         harness.cli(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env
     )
     assert proc.stdout is not None
+    lines = []
     for out_line in proc.stdout:
-        echo("  " + out_line.rstrip())
+        lines.append(out_line.rstrip())
+        echo("  " + lines[-1])
     if proc.wait() != 0:
         raise RuntimeError(f"rlproxy sft exited with {proc.returncode}")
+    return lines
 
 
 def _rl_group(

@@ -93,6 +93,15 @@ def line(r: dict[str, Any]) -> str:
     )
 
 
+def table(rungs: list[dict[str, Any]]) -> list[str]:
+    """Directory rungs as a table's lines: a rung a row, its mean reward and each component."""
+    head = f"{'rung':>6}  {'reward':>6}  " + "  ".join(f"{c:>16}" for c in COMPONENTS)
+    return [head] + [
+        f"{r['rung']:>6}  {r['mean_reward']:>6.3f}  " + "  ".join(f"{r[c]:>16.3f}" for c in COMPONENTS)
+        for r in rungs
+    ]
+
+
 def evaluate(
     client: OpenAI,
     base: str,
