@@ -3,6 +3,7 @@
     .venv/bin/python bench/sft_from_traces.py                         # smollm2-135m, 32 traced episodes
     .venv/bin/python bench/sft_from_traces.py --format openai-jsonl   # the same, as OpenAI chat JSONL
     .venv/bin/python bench/sft_from_traces.py --fast                  # tiny random model: the plumbing
+    .venv/bin/python bench/sft_from_traces.py --learn siblings        # RL on the imported prompts instead
 
 The path as a team lives it, with rlproxy nowhere in the traced path:
 
@@ -22,6 +23,14 @@ The path as a team lives it, with rlproxy nowhere in the traced path:
    teacher demo's prompt split: never traced; validation runs), then `rlproxy sft --from-source
    import --into student` (a process of its own, `rlproxy demo --teacher`'s SFT settings), serve
    picks up student@1, rung `after` on the same prompts.
+
+`--learn siblings` learns from the same traces' PROMPTS instead of their answers (issue 58's "a
+prompt set the engine samples on"): the import names the policy (`--policy agent`), `serve` runs with
+`siblings=agent=imported` and the url scorer (the task's own checker, demo/scorer.py, as `rlproxy demo
+--signal scorer` uses), so the student answers each imported prompt K times, the checker scores the K
+side by side and the trainer trains the groups; rung `after` once `--rl-minutes` have passed (the
+base rung is the base model's own name, never trained: the same weights as agent@0). No app traffic
+flows, so the siblings' engine share is raised to 0.9 (`siblings_max_share`; the app-first rule holds).
 
 Prints base vs after with each component, the SFT's examples and seconds, `uptime` before and after,
 and writes OUT_DIR/summary.json. Run it alone on a quiet box.
@@ -55,9 +64,12 @@ from rlproxy.demo.distill import EVAL_EPISODES, SFT_EPOCHS, SFT_LR, STUDENT, TEA
 from rlproxy.demo.episodes import Episode, default_model, play_all  # noqa: E402
 from rlproxy.demo.provider import Provider, ProviderServer  # noqa: E402
 from rlproxy.demo.rungs import evaluate, prompt_split, rung, table  # noqa: E402
+from rlproxy.demo.scorer import ScorerServer  # noqa: E402
+from rlproxy.demo.store import siblings_summary  # noqa: E402
 
 FORMATS = ("otlp", "otlp-proto", "openai-jsonl")
 HOSTED = "hosted-expert"
+LEARNER = "agent"  # --learn siblings: the policy the imported prompts are stored under and that learns
 
 
 class OtlpFile(SpanExporter):
@@ -129,10 +141,10 @@ def trace_episodes(
     return episodes, len(provider.requests)
 
 
-def import_traces(path: Path, db: Path, fmt: str) -> dict[str, Any]:
+def import_traces(path: Path, db: Path, fmt: str, *args: str) -> dict[str, Any]:
     """`rlproxy import` of the file, as a user runs it: its summary line, and its counts."""
     t0 = time.monotonic()
-    done = subprocess.run(harness.cli("import", str(path), "--format", fmt, "--db", str(db)),
+    done = subprocess.run(harness.cli("import", str(path), "--format", fmt, "--db", str(db), *args),
                           capture_output=True, text=True, check=True)  # fmt: skip
     summary = done.stdout.strip().splitlines()[-1]
     counts = re.match(r"imported (\d+) call\(s\) in (\d+) new run\(s\)", summary)
@@ -153,9 +165,11 @@ def run(
     epochs: int = SFT_EPOCHS,
     lr: float = SFT_LR,
     echo: Callable[[str], None] = harness.print_line,
+    learn: str = "sft",
+    rl_minutes: float = 10.0,
 ) -> dict[str, Any]:
-    """Trace, import, rung base, SFT from the import, rung after: the summary (also in
-    out_dir/summary.json)."""
+    """Trace, import, rung base, learn from the import (`learn`: sft, or siblings on its prompts),
+    rung after: the summary (also in out_dir/summary.json)."""
     started = time.monotonic()
     loads = {"before": os.getloadavg()}
     teach_pairs, eval_pairs, _ = prompt_split(seed, episodes, eval_episodes, 0)
@@ -169,30 +183,46 @@ def run(
     traced = rung("traced", taught, time.monotonic() - t0)
     echo(f"traced {len(taught)} episodes ({requests} model calls, mean reward {traced['mean_reward']:.3f}) "
          f"-> {path} ({fmt}, {path.stat().st_size / 1024:.0f} KiB)")  # fmt: skip
-    imported = import_traces(path, db, fmt)
+    imported = import_traces(path, db, fmt, *(["--policy", LEARNER] if learn == "siblings" else []))
     echo(f"rlproxy import: {imported['line']} ({imported['seconds']:.1f} s)")
 
     env = harness.serve_env(out, threads, seed, None, embedded=True) | {"RLPROXY_POLICY_POLL_INTERVAL": "0.5"}
-    proc, base = harness.start_server(out, model, 0, 8, env)
-    client = harness.openai_client(base)
+    scorer = ScorerServer("directory").start() if learn == "siblings" else None
+    extra = None if scorer is None else {
+        "siblings": f"{LEARNER}=imported", "scorer": "url", "scorer_url": scorer.score_url,
+        "siblings_max_share": 0.9, "groups_per_step": 4,
+    }  # fmt: skip
+    lines: list[str] = []
     try:
-        with httpx.Client(base_url=base, timeout=30) as http:
-            policy = default_model(client)  # the base model's name
-            rungs = [evaluate(client, base, policy, "base", eval_pairs, seed, echo)]
-            t0 = time.monotonic()
-            lines = distill(out, model, policy, ["--from-source", "import"], epochs, lr, env, echo)
-            sft_seconds = round(time.monotonic() - t0, 1)
-            harness.wait_policy_step(http, STUDENT, 1, timeout=120)
-            served = http.get("/healthz").json().get("policies", {}).get(STUDENT, 0)
-            rungs.append(evaluate(client, base, STUDENT, "after", eval_pairs, seed, echo))
+        proc, base = harness.start_server(out, model, 0, 8, env, extra=extra)
+        serving_since = time.monotonic()  # the siblings service starts with serve
+        client = harness.openai_client(base)
+        try:
+            with httpx.Client(base_url=base, timeout=30) as http:
+                policy = default_model(client)  # the base model's name (never trained here)
+                rungs = [evaluate(client, base, policy, "base", eval_pairs, seed, echo)]
+                t0 = time.monotonic()
+                if scorer is None:
+                    lines = distill(out, model, policy, ["--from-source", "import"], epochs, lr, env, echo)
+                    harness.wait_policy_step(http, STUDENT, 1, timeout=120)
+                    learner = STUDENT
+                else:  # the siblings service works on its own: wait out the minutes, then measure
+                    time.sleep(max(0.0, serving_since + rl_minutes * 60 - time.monotonic()))
+                    learner = LEARNER
+                learn_seconds = round(time.monotonic() - t0, 1)
+                served = http.get("/healthz").json().get("policies", {}).get(learner, 0)
+                rungs.append(evaluate(client, base, learner, "after", eval_pairs, seed, echo))
+        finally:
+            harness.stop_server(proc)
     finally:
-        harness.stop_server(proc)
+        if scorer is not None:
+            scorer.stop()
     done = next((x for x in lines if re.search(r"\d+ examples", x)), "")
     examples = re.search(r"(\d+) examples", done)
     loads["after"] = os.getloadavg()
     summary = {
         "task": "directory",
-        "path": "sft from imported traces",
+        "path": f"{learn} from imported traces",
         "model": model,
         "seed": seed,
         "format": fmt,
@@ -200,13 +230,25 @@ def run(
         "traces_file": str(path),
         "traced": {k: v for k, v in traced.items() if k != "example"} | {"model_calls": requests},
         "imported": imported,
+        "learn": learn,
         "sft": {
             "examples": int(examples[1]) if examples else None,
-            "seconds": sft_seconds,
+            "seconds": learn_seconds,
             "epochs": epochs,
             "learning_rate": lr,
             "line": done,
             "student_step_served": served,
+        }
+        if scorer is None
+        else None,  # fmt: skip
+        "siblings": None
+        if scorer is None
+        else {
+            "minutes": rl_minutes,
+            "seconds": learn_seconds,
+            "step_served": served,
+            "tally": siblings_summary(db),
+            "scorer": scorer.scorer.stats(),
         },  # fmt: skip
         "rungs": [{k: v for k, v in r.items() if k != "example"} for r in rungs],
         "examples": {r["rung"]: r["example"] for r in rungs},
@@ -229,17 +271,29 @@ def main() -> None:
     ap.add_argument("--learning-rate", type=float, default=SFT_LR)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out-dir", default="sft-from-traces")
+    ap.add_argument("--learn", choices=("sft", "siblings"), default="sft",
+                    help="sft on the imported answers, or siblings on the imported prompts")  # fmt: skip
+    ap.add_argument("--rl-minutes", type=float, default=10.0, help="--learn siblings: minutes, serve on")
     ap.add_argument("--fast", action="store_true", help="the tiny random model, 4 episodes, 4 prompts")
     a = ap.parse_args()
     if a.fast:
         a.model, a.episodes, a.eval = "tiny", 4, 4
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} uptime: {os.getloadavg()}")
-    s = run(a.model, a.episodes, a.eval, a.format, a.out_dir, a.seed, a.threads, a.epochs, a.learning_rate)
-    sft, (before, after) = s["sft"], s["rungs"]
-    print(
-        f"\n{s['model']}: {s['imported']['runs']} imported traces ({s['format']}); one SFT step on "
-        f"{sft['examples']} conversations ({sft['epochs']} epochs) in {sft['seconds']:.0f} s"
-    )
+    s = run(a.model, a.episodes, a.eval, a.format, a.out_dir, a.seed, a.threads, a.epochs, a.learning_rate,
+            learn=a.learn, rl_minutes=a.rl_minutes)  # fmt: skip
+    sft, sib, (before, after) = s["sft"], s["siblings"], s["rungs"]
+    if sft is not None:
+        print(
+            f"\n{s['model']}: {s['imported']['runs']} imported traces ({s['format']}); one SFT step on "
+            f"{sft['examples']} conversations ({sft['epochs']} epochs) in {sft['seconds']:.0f} s"
+        )
+    else:
+        g = sib["tally"]["sibling_groups"]
+        groups = f"{g['made']} made, {g['scored']} scored, {g['trained']} trained, {g['skipped']} skipped"
+        print(
+            f"\n{s['model']}: {s['imported']['calls']} imported prompts ({s['format']}); step "
+            f"{sib['step_served']} served after {sib['seconds']:.0f} s; sibling groups: {groups}"
+        )
     print("\n".join(table(s["rungs"])))
     gain = after["mean_reward"] - before["mean_reward"]
     print(f"after - base: reward {gain:+.3f} on {after['episodes']} fresh prompts; {s['minutes']:.1f} min")

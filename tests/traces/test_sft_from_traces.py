@@ -95,3 +95,28 @@ def test_the_other_formats_import_whole_conversations(fmt: str, calls: int, tmp_
         assert roles == ["system", "user", "assistant", "tool", "assistant", "tool"]
         assert request["tools"] == TOOLS
         assert response["choices"][0]["message"]["content"].count(":") == 2  # the answer: two extensions
+
+
+@pytest.mark.timeout(900)
+def test_fast_siblings_from_imported_prompts(tmp_path: Path, cache_dir: Path) -> None:
+    """`--learn siblings`: the imported prompts, stored under `agent`, answered K times by the engine
+    and scored by the task's checker over HTTP; no app request but the rungs'."""
+    out = tmp_path / "out"
+    env = {**os.environ, "RLPROXY_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sft_from_traces.py"), "--fast", "--threads", "1",
+         "--learn", "siblings", "--rl-minutes", "1", "--out-dir", str(out)],
+        env=env, capture_output=True, text=True, timeout=850,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sft"] is None and [r["rung"] for r in summary["rungs"]] == ["base", "after"]
+    groups = summary["siblings"]["tally"]["sibling_groups"]
+    assert groups["made"] > 0 and groups["failed"] == 0
+    assert summary["siblings"]["scorer"]["calls"] > 0
+    con = sqlite3.connect(out / "rlproxy.db")
+    made = con.execute(
+        "SELECT count(*), min(c.source), min(g.reason) FROM sibling_groups g "
+        "JOIN completions c ON c.id = g.completion_id"
+    ).fetchone()
+    assert made == (groups["made"], "import", "imported")  # every group branched an imported call
