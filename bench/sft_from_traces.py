@@ -210,8 +210,11 @@ def run(
                     time.sleep(max(0.0, serving_since + rl_minutes * 60 - time.monotonic()))
                     learner = LEARNER
                 learn_seconds = round(time.monotonic() - t0, 1)
-                served = http.get("/healthz").json().get("policies", {}).get(learner, 0)
-                rungs.append(evaluate(client, base, learner, "after", eval_pairs, seed, echo))
+                served = http.get("/healthz").json().get("policies", {}).get(learner)
+                # a learner with no step yet is not served under its name: its weights are the base's
+                after = learner if served is not None else policy
+                rungs.append(evaluate(client, base, after, "after", eval_pairs, seed, echo))
+                served = served or 0
         finally:
             harness.stop_server(proc)
     finally:
